@@ -1,0 +1,68 @@
+"""Triton scatter of new K/V rows into the paged pool (same contract as the reference).
+
+One program writes one (token, kv head) row of D values to both caches: a row is the
+unit the slot mapping addresses, and at D <= 256 it is one small vector load/store,
+so there is nothing to tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import check_device, head_block
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh,  # key (T, Hkv, D), last dim contiguous
+    stride_vt, stride_vh,  # value (T, Hkv, D), last dim contiguous
+    stride_cb, stride_cs, stride_ch,  # caches (NB, BS, Hkv, D), last dim contiguous
+    block_size, head_dim,
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two; the tail is masked
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    # int64: slot * row stride passes 2**31 elements in a pool of a few GiB.
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    # Slot -1 is padding: the whole row is masked off (a row length of 0) rather than
+    # branched around.
+    mask = d < tl.where(slot >= 0, head_dim, 0)
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache(
+    key: torch.Tensor,  # (T, Hkv, D)
+    value: torch.Tensor,  # (T, Hkv, D)
+    k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
+    v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
+    slot_mapping: torch.Tensor,  # (T,) int, -1 = skip
+) -> None:
+    """Scatter new K/V rows into the paged pool, in place."""
+    check_device(key, value, k_cache, v_cache, slot_mapping)
+    t, hkv, d = key.shape
+    if t == 0:
+        return
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("store_kvcache: k_cache and v_cache must share one layout")
+    # Rows may be views into a fused qkv tensor (strided tokens and heads); only the
+    # D values of one row must be contiguous for the vector load.
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    if k_cache.stride(-1) != 1:
+        raise ValueError("store_kvcache: the caches' head_dim must be contiguous")
+    _store_kvcache_kernel[(t, hkv)](
+        key, value, k_cache, v_cache, slot_mapping.contiguous(),
+        key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1], d,
+        BLOCK_D=head_block(d),
+    )

@@ -1,0 +1,185 @@
+"""The `kvfleet` command.
+
+    kvfleet submit "Once upon a time" --priority high --tenant acme --wait
+    kvfleet get JOB_ID [--wait 30]
+    kvfleet infra up|down|status        local Kafka (KRaft) and Redis
+    kvfleet fleet up|down|status        API + scheduler + workers in the background
+    kvfleet demo                        submit sample jobs at all priorities, print results
+    kvfleet api | scheduler | worker    run one service in the foreground
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional
+
+import msgspec
+
+from kvfleet.contracts import JobResult
+
+
+def _result_line(r: JobResult) -> str:
+    t = r.timings
+    latency = f"{(t.finished_at - t.queued_at):.2f}s" if t.finished_at and t.queued_at else "-"
+    ttft = f"{(t.first_token_at - t.started_at) * 1000:.0f}ms" if t.first_token_at and t.started_at else "-"
+    if r.error is not None:
+        return f"{r.job_id} [{r.priority.value:<6}] {r.status.value}: {r.error.code}: {r.error.message}"
+    text = (r.text or "").replace("\n", "\\n")
+    return (f"{r.job_id} [{r.priority.value:<6}] {r.status.value} tokens={r.usage.completion_tokens} "
+            f"ttft={ttft} total={latency} text={text[:60]!r}")
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from producer.client import Client, ClientError
+
+    with Client(args.url, tenant=args.tenant, api_key=args.api_key) as client:
+        try:
+            job_id = client.submit(args.prompt, priority=args.priority, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                   seed=args.seed, stop=args.stop, job_id=args.job_id)
+        except ClientError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if not args.wait:
+            print(job_id)
+            return 0
+        result = client.wait(job_id, timeout=args.timeout)
+        print(msgspec.json.format(msgspec.json.encode(result)).decode() if args.json else _result_line(result))
+        return 0 if result.status.value == "done" else 1
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    from producer.client import Client, ClientError
+
+    with Client(args.url, tenant=args.tenant, api_key=args.api_key) as client:
+        try:
+            result = client.get(args.job_id, wait=args.wait)
+        except ClientError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    print(msgspec.json.format(msgspec.json.encode(result)).decode())
+    return 0
+
+
+def cmd_infra(args: argparse.Namespace) -> int:
+    import kvfleet.infra as infra
+
+    if args.action == "up":
+        print(json.dumps(infra.up()))
+    elif args.action == "down":
+        infra.down()
+    else:
+        print(json.dumps(infra.status()))
+    return 0
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from kvfleet import fleet
+    from kvfleet.settings import Settings
+
+    if args.action == "up":
+        fleet.up(Settings.from_env(), workers=args.workers)
+    elif args.action == "down":
+        fleet.down()
+    else:
+        print(json.dumps(fleet.status()))
+    return 0
+
+
+DEMO_PROMPTS = [
+    ("high", "acme", "The fleet admits high priority first:"),
+    ("normal", "acme", "Paged attention stores keys and values in blocks"),
+    ("low", "globex", "A low priority job still runs, thanks to aging."),
+    ("high", "globex", "Kafka keeps every job until the scheduler commits it."),
+    ("normal", "globex", "Redis holds the results; poll them by job id."),
+    ("low", "acme", "Once upon a time"),
+]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from producer.client import Client
+
+    start = time.monotonic()
+    pending: dict[str, Client] = {}
+    clients = {t: Client(args.url, tenant=t) for t in {t for _, t, _ in DEMO_PROMPTS}}
+    for i, (priority, tenant, prompt) in enumerate(DEMO_PROMPTS):
+        job_id = clients[tenant].submit(prompt, priority=priority, max_new_tokens=args.max_new_tokens,
+                                        temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
+        pending[job_id] = clients[tenant]
+        print(f"submitted {job_id} priority={priority} tenant={tenant} prompt={prompt!r}", flush=True)
+    failures = 0
+    while pending:
+        for job_id, client in list(pending.items()):
+            result = client.get(job_id, wait=0.5)
+            if result.status.terminal:
+                print(_result_line(result), flush=True)
+                failures += result.status.value != "done"
+                del pending[job_id]
+        if time.monotonic() - start > args.timeout:
+            print(f"timed out with {len(pending)} job(s) unfinished", file=sys.stderr)
+            return 1
+    print(f"{len(DEMO_PROMPTS)} jobs finished in {time.monotonic() - start:.1f}s, {failures} failed", flush=True)
+    for client in clients.values():
+        client.close()
+    return 1 if failures else 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfleet", description="An asynchronous LLM inference fleet.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def client_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--url", default="http://127.0.0.1:8000", help="the API's base URL")
+        p.add_argument("--tenant", default=None, help="X-Tenant-ID (without API keys)")
+        p.add_argument("--api-key", default=None)
+
+    p = sub.add_parser("submit", help="queue a job")
+    p.add_argument("prompt")
+    client_opts(p)
+    p.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--job-id", default=None, help="your own id, for idempotent retries")
+    p.add_argument("--wait", action="store_true", help="wait for the result and print it")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("get", help="a job's state and result")
+    p.add_argument("job_id")
+    client_opts(p)
+    p.add_argument("--wait", type=float, default=0.0, help="long-poll up to this many seconds")
+    p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("infra", help="local Kafka and Redis")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.set_defaults(func=cmd_infra)
+
+    p = sub.add_parser("fleet", help="local API, scheduler and workers in the background")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--workers", type=int, default=1)
+    p.set_defaults(func=cmd_fleet)
+
+    p = sub.add_parser("demo", help="submit sample jobs at the three priorities and print their results")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_demo)
+
+    for name, target in (("api", "producer.api"), ("scheduler", "scheduler.service"), ("worker", "workers.service")):
+        p = sub.add_parser(name, help=f"run the {name} in the foreground")
+        p.set_defaults(func=lambda _a, t=target: __import__(t, fromlist=["main"]).main() or 0)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Names and numbers that several services must agree on, each with its unit and reason.
+
+Topic names and Redis keys are built here and nowhere else, so a prefix change
+(`KVFLEET_TOPIC_PREFIX`, `KVFLEET_KEY_PREFIX`) moves every service at once.
+"""
+
+from __future__ import annotations
+
+from kvfleet.contracts import Priority
+
+# --- Kafka -----------------------------------------------------------------------
+DEFAULT_TOPIC_PREFIX = "kvfleet.requests"
+DLQ_SUFFIX = "dlq"
+SCHEDULER_GROUP = "kvfleet-scheduler"
+#: Partitions per priority topic. Messages are keyed by tenant, so one tenant's jobs
+#: stay ordered within a partition; 6 lets up to 6 scheduler replicas share a topic.
+PARTITIONS_PER_TOPIC = 6
+DLQ_PARTITIONS = 1
+
+
+def request_topic(prefix: str, priority: Priority | str) -> str:
+    return f"{prefix}.{Priority(priority).value}"
+
+
+def dlq_topic(prefix: str) -> str:
+    return f"{prefix}.{DLQ_SUFFIX}"
+
+
+def all_request_topics(prefix: str) -> list[str]:
+    """In service order: high first."""
+    return [request_topic(prefix, p) for p in Priority]
+
+
+# --- Redis -----------------------------------------------------------------------
+DEFAULT_KEY_PREFIX = "kvfleet"
+
+
+class Keys:
+    """Every Redis key kvfleet writes, under one prefix."""
+
+    def __init__(self, prefix: str = DEFAULT_KEY_PREFIX) -> None:
+        self.prefix = prefix
+
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def job_events(self, job_id: str) -> str:
+        """Pub/sub channel told of every state change of one job (long-poll wake-up)."""
+        return f"{self.prefix}:events:{job_id}"
+
+    def run_lease(self, job_id: str) -> str:
+        """Held by the worker that is executing the job right now."""
+        return f"{self.prefix}:lock:run:{job_id}"
+
+    @property
+    def ledger(self) -> str:
+        return f"{self.prefix}:ledger"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    @property
+    def workers_pattern(self) -> str:
+        return f"{self.prefix}:worker:*"
+
+    def quota(self, tenant: str) -> str:
+        return f"{self.prefix}:quota:{tenant}"
+
+    def kv_block(self, model_fingerprint: str, block_hash: str) -> str:
+        return f"{self.prefix}:kv:{model_fingerprint}:{block_hash}"
+
+    def lock(self, name: str) -> str:
+        return f"{self.prefix}:lock:{name}"
+
+
+# --- Lifetimes (seconds) ---------------------------------------------------------
+#: A finished job's state and result stay readable this long, then Redis drops them.
+RESULT_TTL_S = 24 * 3600
+#: A job that never finishes (lost before admission) is still dropped eventually.
+PENDING_TTL_S = 7 * 24 * 3600
+#: A running job's lease: renewed every third of this by the worker executing it.
+#: A worker that dies loses it after this long, and a redelivered copy may take over.
+RUN_LEASE_S = 15.0
+#: Worker heartbeat key TTL; the heartbeat is written every third of this.
+WORKER_HEARTBEAT_TTL_S = 10.0
+
+# --- Celery ----------------------------------------------------------------------
+CELERY_TASK_NAME = "kvfleet.run_job"
+
+
+def celery_queue(key_prefix: str, priority: Priority | str) -> str:
+    """One Celery queue per class; named under the key prefix so fleets sharing a Redis
+    (or test runs) never take each other's tasks."""
+    return f"{key_prefix}.tasks.{Priority(priority).value}"
+
+
+def all_celery_queues(key_prefix: str) -> list[str]:
+    """High first: workers read them in this order (queue_order_strategy=priority)."""
+    return [celery_queue(key_prefix, p) for p in Priority]

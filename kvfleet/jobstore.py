@@ -1,0 +1,188 @@
+"""A job's state and result in Redis: one hash per job, moved one way by Lua scripts.
+
+Layout of `kvfleet:job:{job_id}` (a hash):
+    state, tenant, priority, request (JobRequest JSON), result (JobResult JSON, once
+    terminal), queued_at / admitted_at / started_at / finished_at (unix seconds),
+    attempts (times a worker started it).
+
+Every write is a Lua script that checks the current state against the allowed
+transitions first, so a duplicate delivery (a second "admit", a second "finish") finds
+the job already moved and changes nothing. Every state change is also PUBLISHed on the
+job's events channel, which is what wakes a long-polling `GET /v1/jobs/{id}?wait=`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import msgspec
+import redis
+
+from kvfleet import constants
+from kvfleet.contracts import (
+    ALLOWED_TRANSITIONS,
+    JobError,
+    JobRequest,
+    JobResult,
+    JobState,
+    Priority,
+    Timings,
+    decode_request,
+    decode_result,
+    encode,
+)
+
+_CREATE = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if cur then
+  return {0, cur, redis.call('HGET', KEYS[1], 'tenant')}
+end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'tenant', ARGV[1], 'priority', ARGV[2],
+           'request', ARGV[3], 'queued_at', ARGV[4], 'attempts', 0)
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('PUBLISH', KEYS[2], 'queued')
+return {1, 'queued', ARGV[1]}
+"""
+
+# ARGV: to_state, ttl (0 = keep), allowed-from states joined by ',', then field, value...
+_TRANSITION = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {0, ''} end
+if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return {0, cur} end
+redis.call('HSET', KEYS[1], 'state', ARGV[1])
+for i = 4, #ARGV, 2 do
+  if ARGV[i] == 'attempts' then
+    redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+  else
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+redis.call('PUBLISH', KEYS[2], ARGV[1])
+return {1, cur}
+"""
+
+# The one call a worker makes when a job ends: result, final state and the release of
+# the job's token reservation, together or not at all.
+# KEYS: job, events, ledger hash, ledger lease zset, run lease
+# ARGV: to_state, result JSON, finished_at, ttl, allowed-from, job_id, lease token ('' = no check)
+_FINISH = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {0, ''} end
+if not string.find(',' .. ARGV[5] .. ',', ',' .. cur .. ',', 1, true) then return {0, cur} end
+if ARGV[7] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[7] then return {0, 'lease_lost'} end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'result', ARGV[2], 'finished_at', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('HDEL', KEYS[3], ARGV[6])
+redis.call('ZREM', KEYS[4], ARGV[6])
+redis.call('PUBLISH', KEYS[2], ARGV[1])
+return {1, cur}
+"""
+
+_TIMING_FIELDS = ("queued_at", "admitted_at", "started_at", "finished_at")
+
+
+def _sources(to_state: JobState) -> str:
+    return ",".join(s.value for s, targets in ALLOWED_TRANSITIONS.items() if to_state in targets)
+
+
+def result_from_hash(job_id: str, fields: Mapping[bytes, bytes]) -> Optional[JobResult]:
+    """The JobResult a client sees, from the raw hash (None: no such job)."""
+    if not fields:
+        return None
+    f = {k.decode(): v.decode() for k, v in fields.items()}
+    if "result" in f:
+        return decode_result(f["result"])
+    timings = Timings(**{k: float(f[k]) for k in _TIMING_FIELDS if k in f})
+    return JobResult(
+        job_id=job_id,
+        status=JobState(f["state"]),
+        tenant=f["tenant"],
+        priority=Priority(f["priority"]),
+        timings=timings,
+    )
+
+
+class Transition(msgspec.Struct, frozen=True):
+    ok: bool
+    previous: Optional[str]  # state before the call; None when the job does not exist
+
+
+class JobStore:
+    def __init__(self, client: redis.Redis, keys: constants.Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._create = client.register_script(_CREATE)
+        self._transition = client.register_script(_TRANSITION)
+        self._finish = client.register_script(_FINISH)
+
+    def create(self, request: JobRequest) -> tuple[bool, JobState, str]:
+        """Record a new job as queued. If the id exists, change nothing and return
+        (False, its state, its tenant): the caller decides what a duplicate means."""
+        created, state, tenant = self._create(
+            keys=[self.keys.job(request.job_id), self.keys.job_events(request.job_id)],
+            args=[request.tenant, request.priority.value, encode(request), repr(request.submitted_at),
+                  constants.PENDING_TTL_S],
+        )
+        return bool(created), JobState(state.decode()), tenant.decode()
+
+    def transition(self, job_id: str, to_state: JobState, *, ttl: int = 0, **fields: Any) -> Transition:
+        """Move the job to `to_state` if the current state allows it; set `fields` with it.
+        Pass attempts=True to count an attempt."""
+        args: list[Any] = [to_state.value, ttl, _sources(to_state)]
+        for name, value in fields.items():
+            args += [name, value if isinstance(value, (str, bytes)) else repr(value)]
+        ok, previous = self._transition(keys=[self.keys.job(job_id), self.keys.job_events(job_id)], args=args)
+        return Transition(ok=bool(ok), previous=previous.decode() or None)
+
+    def finish(self, result: JobResult, *, lease_token: str = "") -> Transition:
+        """Write the terminal result, move the state and release the reservation, atomically.
+        With a lease token, only the current run-lease holder may finish."""
+        assert result.status.terminal, result.status
+        job_id = result.job_id
+        ok, previous = self._finish(
+            keys=[self.keys.job(job_id), self.keys.job_events(job_id), self.keys.ledger,
+                  self.keys.ledger + ":leases", self.keys.run_lease(job_id)],
+            args=[result.status.value, encode(result), repr(result.timings.finished_at or 0.0),
+                  constants.RESULT_TTL_S, _sources(result.status), job_id, lease_token],
+        )
+        return Transition(ok=bool(ok), previous=previous.decode() or None)
+
+    def fail(self, job_id: str, status: JobState, code: str, message: str, *, now: float,
+             lease_token: str = "") -> Transition:
+        """End a job that produced no output (failed, expired, rejected, cancelled)."""
+        fields = self.client.hgetall(self.keys.job(job_id))
+        current = result_from_hash(job_id, fields)
+        if current is None:
+            return Transition(ok=False, previous=None)
+        result = JobResult(
+            job_id=job_id, status=status, tenant=current.tenant, priority=current.priority,
+            timings=msgspec.structs.replace(current.timings, finished_at=now),
+            error=JobError(code=code, message=message),
+        )
+        return self.finish(result, lease_token=lease_token)
+
+    def start(self, job_id: str, *, now: float, worker: str) -> Transition:
+        """Mark the job running (again, on a takeover after a worker died) and count the
+        attempt. The only transition that may repeat its own state."""
+        ok, previous = self._transition(
+            keys=[self.keys.job(job_id), self.keys.job_events(job_id)],
+            args=[JobState.RUNNING.value, 0, "queued,admitted,running", "started_at", repr(now),
+                  "worker", worker, "attempts", "1"],
+        )
+        return Transition(ok=bool(ok), previous=previous.decode() or None)
+
+    def get(self, job_id: str) -> Optional[JobResult]:
+        return result_from_hash(job_id, self.client.hgetall(self.keys.job(job_id)))
+
+    def state(self, job_id: str) -> Optional[JobState]:
+        raw = self.client.hget(self.keys.job(job_id), "state")
+        return JobState(raw.decode()) if raw else None
+
+    def request(self, job_id: str) -> Optional[JobRequest]:
+        raw = self.client.hget(self.keys.job(job_id), "request")
+        return decode_request(raw) if raw else None
+
+    def field(self, job_id: str, name: str) -> Optional[str]:
+        raw = self.client.hget(self.keys.job(job_id), name)
+        return raw.decode() if raw else None

@@ -1,0 +1,67 @@
+"""Kafka clients configured the one way kvfleet uses them, and topic creation.
+
+Producers: `acks=all` with retries and idempotence, so a produce that returns has been
+written by every in-sync replica and a retried send does not duplicate. Consumers:
+manual commits only (offsets move after admission is durable, never before).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
+from kvfleet import constants
+from kvfleet.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+
+def make_producer(kafka: KafkaSettings, *, client_id: str) -> KafkaProducer:
+    return KafkaProducer(
+        bootstrap_servers=kafka.bootstrap,
+        client_id=client_id,
+        acks="all",
+        retries=10,
+        enable_idempotence=True,
+        linger_ms=2,  # a little batching under load costs < 2 ms at idle
+        request_timeout_ms=10_000,
+        max_block_ms=10_000,  # fail fast (503) instead of hanging a request when Kafka is down
+    )
+
+
+def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int) -> KafkaConsumer:
+    return KafkaConsumer(
+        bootstrap_servers=kafka.bootstrap,
+        group_id=kafka.group,
+        client_id=client_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",  # a new group must not skip jobs already queued
+        max_poll_records=max_poll_records,
+        # A poll batch is dispatched in milliseconds; 5 min is the ceiling before the
+        # group considers this replica stuck and hands its partitions to another.
+        max_poll_interval_ms=300_000,
+        session_timeout_ms=10_000,
+        heartbeat_interval_ms=3_000,
+    )
+
+
+def ensure_topics(kafka: KafkaSettings) -> None:
+    """Create the three priority topics and the dead-letter topic if missing."""
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap, client_id="kvfleet-admin")
+    try:
+        existing = set(admin.list_topics())
+        wanted = [NewTopic(t, kafka.partitions, 1) for t in kafka.topics if t not in existing]
+        if kafka.dlq not in existing:
+            wanted.append(NewTopic(kafka.dlq, constants.DLQ_PARTITIONS, 1))
+        if not wanted:
+            return
+        try:
+            admin.create_topics(wanted)
+        except TopicAlreadyExistsError:
+            pass  # another service created them between our list and create
+        log.info("created topics %s", [t.name for t in wanted])
+    finally:
+        admin.close()

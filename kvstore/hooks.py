@@ -1,0 +1,51 @@
+"""The cold tier as the engine's block hooks (workers.engine.hooks.BlockHooks).
+
+    hooks = ColdTierHooks()
+    engine = Engine(..., hooks=hooks)            # the engine takes its hooks first,
+    hooks.tier = ColdTier(cache_client, settings.redis.keys,   # and owns the pool after
+                          engine_fingerprint, engine.kv_cache)
+
+Both hooks run on the engine's step thread between model steps, so the pool is not
+being written while they copy. Neither raises for a tier that is down: a spill that
+cannot be made is dropped and counted, a load that fails is a miss (0), and the engine
+recomputes. kvstore does not import workers: the hooks are matched by shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Protocol, Sequence
+
+import redis
+
+from kvstore.coldtier import ColdTier
+
+log = logging.getLogger(__name__)
+
+
+class MissingBlockLike(Protocol):
+    """What on_admit reads of workers.engine.hooks.MissingBlock."""
+
+    block_hash: str
+    block_id: int  # already allocated by the engine for this block
+
+
+class ColdTierHooks:
+    def __init__(self, tier: Optional[ColdTier] = None) -> None:
+        #: None until the pool exists (see the module docstring): the hooks then do nothing.
+        self.tier = tier
+
+    def on_evict(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: Optional[str], block_id: int) -> None:
+        # token_ids and parent_hash are already folded into the chained block_hash,
+        # which is all the cold tier keys on.
+        if self.tier is not None:
+            self.tier.spill(block_hash, block_id)  # copies now, writes on the spill thread
+
+    def on_admit(self, missing: Sequence[MissingBlockLike]) -> int:
+        if self.tier is None:
+            return 0
+        try:
+            return self.tier.load([m.block_hash for m in missing], lambda n: [m.block_id for m in missing[:n]])
+        except redis.RedisError:
+            log.warning("cold tier unavailable; prefilling instead", exc_info=True)
+            return 0

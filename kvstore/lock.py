@@ -1,0 +1,100 @@
+"""A Redis lease: `SET NX PX` with a random owner token, renewed while held, released
+only by its owner. It knows nothing about what it guards.
+
+Used for the run lease of a job (one worker executes a job at a time) and for the
+rebuild lock of a cache entry (one caller rebuilds a missing prefix).
+
+Races, and why each is safe:
+- Two callers `acquire()` at once: `SET NX` lets exactly one of them in.
+- The holder dies: nobody renews, the key expires after `ttl_ms`, and the next
+  `acquire()` succeeds (a takeover). A holder that was only paused (GC, swap) and
+  comes back finds `renew()` / `release()` refuse, because the token no longer matches.
+- Release after expiry and takeover: compare-and-delete in Lua, so a late release can
+  never delete the new owner's lease.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Optional
+
+import redis
+
+# Delete only if we still own it; one round trip, atomic in Redis.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+# Extend only if we still own it.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+class Lease:
+    def __init__(self, client: redis.Redis, key: str, ttl_ms: int, *, token: Optional[str] = None) -> None:
+        if ttl_ms <= 0:
+            raise ValueError(f"lease ttl_ms must be > 0, got {ttl_ms}")
+        self.client = client
+        self.key = key
+        self.ttl_ms = ttl_ms
+        self.token = token or secrets.token_hex(16)
+        self._release = client.register_script(_RELEASE)
+        self._renew = client.register_script(_RENEW)
+        self._stop = threading.Event()
+        self._renewer: Optional[threading.Thread] = None
+        #: Set when a renewal found the lease gone: the holder should stop writing.
+        self.lost = threading.Event()
+
+    def acquire(self) -> bool:
+        """One attempt; True if we now hold the lease."""
+        won = bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
+        if won:
+            self.lost.clear()  # a Lease object may be re-acquired after losing it once
+        return won
+
+    def renew(self) -> bool:
+        return bool(self._renew(keys=[self.key], args=[self.token, self.ttl_ms]))
+
+    def release(self) -> bool:
+        """Stop renewing and delete the key if we still own it; False if we did not."""
+        self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=self.ttl_ms / 1000)
+        self._renewer = None
+        return bool(self._release(keys=[self.key], args=[self.token]))
+
+    def held(self) -> bool:
+        value = self.client.get(self.key)
+        # A client built with decode_responses=True answers str, otherwise bytes.
+        return value is not None and (value if isinstance(value, str) else value.decode()) == self.token
+
+    def holder_exists(self) -> bool:
+        """Someone (maybe us) holds the lease now."""
+        return bool(self.client.exists(self.key))
+
+    def keep_alive(self) -> None:
+        """Renew every third of the TTL from a daemon thread until `release()`.
+
+        A third leaves two renewal chances before expiry if Redis is briefly slow.
+        """
+        interval = self.ttl_ms / 3000
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    if not self.renew():
+                        self.lost.set()
+                        return
+                except redis.RedisError:
+                    continue  # transient; the next tick retries before the TTL runs out
+
+        self._stop.clear()
+        self._renewer = threading.Thread(target=loop, name=f"lease-{self.key}", daemon=True)
+        self._renewer.start()

@@ -1,0 +1,219 @@
+"""One builder per key across the fleet; every other caller serves the old value or waits.
+
+The primitive knows nothing about what it builds nor where values live. It takes two
+collaborators per call, as dogpile's `Lock` does:
+
+- `lookup() -> Entry | NO_VALUE`: read the current value and its logical expiry;
+- `build() -> value`: make a new value *and store it* where `lookup` will find it;
+
+and uses the Redis lease of kvstore.lock as its mutex, so the callers may be threads,
+processes or hosts. kvstore.cache puts single values behind it; kvstore.coldtier puts
+whole KV prefixes behind it.
+
+What one call does (nginx's `proxy_cache_lock` plus `proxy_cache_use_stale updating`):
+
+    entry found    lock free                        lock held by another caller
+    fresh          return it                        return it
+    stale          take the lock, build, return it  return the stale value
+    none           take the lock, build, return it  wait for the holder's release, then
+                                                    read; after `wait_timeout_s` build
+                                                    without the lock
+
+A stale entry is rebuilt *by the caller that wins the lock*, in its own thread: it pays
+the build's latency, everyone else keeps getting the stale value at once. XFetch may
+treat a fresh entry as stale a little before its expiry (kvstore.expiry.xfetch_due).
+
+Waiters learn of a release from a pub/sub message on a channel named like the lock
+key, and poll every `poll_s` as well, because a holder killed mid-build announces
+nothing: its lease simply expires and the next poll takes it over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterator, TypeVar, Union
+
+import redis
+
+from kvstore import metrics
+from kvstore.expiry import xfetch_due
+from kvstore.lock import Lease
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class NoValueType:
+    """The type of `NO_VALUE`: "nothing stored", distinct from a stored None."""
+
+    _instance: "NoValueType | None" = None
+
+    def __new__(cls) -> "NoValueType":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "NO_VALUE"
+
+
+NO_VALUE = NoValueType()
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    value: T
+    #: Logical expiry, `time.time()` seconds; `math.inf` for "never stale".
+    expires_at: float
+    #: How long the value took to build (XFetch's δ); 0 when unknown.
+    build_s: float = 0.0
+
+    def stale(self, now: float) -> bool:
+        return now >= self.expires_at
+
+
+Lookup = Callable[[], Union[Entry[T], NoValueType]]
+
+
+class SingleFlight:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        name: str = "cache",
+        lock_ttl_s: float = 10.0,
+        wait_timeout_s: float = 30.0,
+        poll_s: float = 0.25,
+        early_refresh_beta: float = 1.0,
+        use_lock: bool = True,
+    ) -> None:
+        """`client` holds the locks and carries the wake-ups (the values may live elsewhere).
+
+        lock_ttl_s: how long a dead builder blocks others; renewed every third of it while
+            the build runs, so it need not cover the build time, only a stall.
+        wait_timeout_s: a waiter builds the value itself after this long; bounds the
+            damage of a builder that hangs while its renewer thread keeps the lease.
+        poll_s: the longest a waiter sleeps between checks; bounds how late it notices
+            the lease of a killed builder expire.
+        early_refresh_beta: XFetch's β; 0 disables early refresh, 1 is the paper's optimum.
+        use_lock: False turns the protection off (every caller that misses builds); it
+            exists for the tests and benchmark that show what the lock prevents.
+        """
+        if lock_ttl_s <= 0 or wait_timeout_s < 0 or poll_s <= 0:
+            raise ValueError("lock_ttl_s and poll_s must be > 0 and wait_timeout_s >= 0")
+        self.client = client
+        self.name = name
+        self.lock_ttl_ms = int(lock_ttl_s * 1000)
+        self.wait_timeout_s = wait_timeout_s
+        self.poll_s = poll_s
+        self.early_refresh_beta = early_refresh_beta
+        self.use_lock = use_lock
+
+    def run(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T]) -> T:
+        """The value behind `lock_key`: found, built by this caller, or built by another."""
+        entry = lookup()
+        if entry is NO_VALUE:
+            metrics.MISSES.labels(self.name).inc()
+            return self._build_or_wait(lock_key, lookup, build)
+        now = time.time()
+        early = not entry.stale(now)
+        if early and not xfetch_due(now, entry.expires_at, entry.build_s, self.early_refresh_beta):
+            metrics.HITS.labels(self.name, "fresh").inc()
+            return entry.value
+        return self._refresh_or_serve(lock_key, entry, lookup, build, early=early)
+
+    # --- an entry exists: one caller refreshes it, the others serve it ------------
+    def _refresh_or_serve(self, lock_key: str, entry: Entry[T], lookup: Lookup[T], build: Callable[[], T], *, early: bool) -> T:
+        if not self.use_lock:
+            return self._build(build)
+        lease = Lease(self.client, lock_key, self.lock_ttl_ms)
+        if not lease.acquire():
+            # Another caller is rebuilding it right now: serve what we have.
+            metrics.HITS.labels(self.name, "fresh" if early else "stale").inc()
+            return entry.value
+        if early:
+            metrics.EARLY_REFRESHES.labels(self.name).inc()
+        return self._build_holding(lease, lookup, build, seen=entry, took_over=False)
+
+    # --- nothing stored: one caller builds, the others wait for it -----------------
+    def _build_or_wait(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T]) -> T:
+        if not self.use_lock:
+            return self._build(build)
+        lease = Lease(self.client, lock_key, self.lock_ttl_ms)
+        if lease.acquire():
+            return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=False)
+        metrics.LOCK_WAITS.labels(self.name).inc()
+        deadline = time.monotonic() + self.wait_timeout_s
+        with self._wakeups(lock_key) as wakeups:
+            while True:
+                # Look again now that we are subscribed: a holder that stored its value
+                # and released between our acquire() and our SUBSCRIBE told nobody,
+                # but its value is there. From here on no release goes unheard.
+                entry = lookup()
+                if entry is not NO_VALUE:
+                    return entry.value
+                # Free and still no value: the holder failed, or died and its lease
+                # expired. Exactly one waiter wins this SET NX and builds again.
+                if lease.acquire():
+                    return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=True)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                wakeups.get_message(timeout=min(self.poll_s, remaining))
+        # The holder keeps its lease alive but has not finished: it may hang forever, and
+        # this caller has a deadline of its own. Building a second copy is the lesser harm.
+        metrics.WAIT_TIMEOUTS.labels(self.name).inc()
+        log.warning("gave up waiting for the builder; building without the lock",
+                    extra={"lock": lock_key, "waited_s": self.wait_timeout_s})
+        return self._build(build)
+
+    def _build_holding(self, lease: Lease, lookup: Lookup[T], build: Callable[[], T], *, seen, took_over: bool) -> T:
+        """Build while holding `lease`; release it and wake the waiters however it ends."""
+        try:
+            # Run the getter again under the lock: the previous holder may have stored a
+            # newer value between our lookup and our acquire (dogpile's double check).
+            entry = lookup()
+            if entry is not NO_VALUE and (seen is NO_VALUE or entry.expires_at > seen.expires_at):
+                return entry.value
+            if took_over:
+                metrics.LOCK_TAKEOVERS.labels(self.name).inc()
+                log.info("took over a rebuild lock whose holder left no value", extra={"lock": lease.key})
+            # Renew while building, so a build longer than the lease TTL keeps it; a
+            # holder that dies stops renewing and loses it after at most one TTL.
+            lease.keep_alive()
+            return self._build(build)
+        finally:
+            lease.release()  # compare-and-delete: never frees a lease we already lost
+            self._announce(lease.key)
+
+    def _build(self, build: Callable[[], T]) -> T:
+        started = time.perf_counter()
+        value = build()
+        metrics.BUILDS.labels(self.name).inc()
+        metrics.BUILD_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+        return value
+
+    # --- wake-ups -----------------------------------------------------------------
+    # Pub/sub channels live apart from the keyspace, so the lock key names the channel.
+    def _announce(self, lock_key: str) -> None:
+        try:
+            self.client.publish(lock_key, b"released")
+        except redis.RedisError:
+            # Waiters still poll; a lost wake-up costs them at most `poll_s`.
+            log.warning("could not announce a lock release", extra={"lock": lock_key}, exc_info=True)
+
+    @contextlib.contextmanager
+    def _wakeups(self, lock_key: str) -> Iterator[redis.client.PubSub]:
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(lock_key)
+            yield pubsub
+        finally:
+            pubsub.close()

@@ -1,0 +1,1 @@
+"""The front door: a Python client, the `kvfleet submit` CLI and the HTTP API."""

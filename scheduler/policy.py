@@ -1,0 +1,359 @@
+"""Admission policy: which buffered jobs get the fleet's free KV tokens now.
+
+Pure: no I/O and no clock. The service feeds it the jobs it polled (`add`) and calls
+`schedule(now, budget)` with the ledger's view of the budget after every poll; the
+simulator drives the same object with a virtual clock.
+
+What one `schedule()` call does, in order:
+1. Ceilings. A job over its class's token ceiling (high 2×base, normal base, low
+   base/4) can never run; `add()` already set it aside and it is returned as rejected.
+2. Deadlines. A job whose deadline has passed is expired.
+3. Order. Every buffered job gets a level:
+     0: waited past its class's `max_wait_s`: goes first (the hard aging bound),
+     1: its class is under its guaranteed `share` of the budget: classes in rank
+        order (high first), so each class keeps its share under contention,
+     2: borrowing (its class is over its share): by aged priority,
+        rank - wait / aging_s, so a lower class overtakes fresh higher ones in time.
+   Work-conserving: a share nobody uses is lent (level 2) instead of held idle.
+4. Fit. A job is admitted if its tenant's tier allows it (silver: burst cap, bronze:
+   hard limit) and its cost fits in the free budget, where the unused part of every
+   gold tenant's reserve is room for that tenant only.
+5. Hold. The first job blocked by the budget that has waited its class's
+   `reserve_after_s` holds the line: nothing after it takes the shared budget in this
+   call, so the tokens that free up accumulate for it and a stream of small jobs
+   cannot keep taking them (TGI forces waiting requests in after `max_waiting_tokens`
+   steps for the same reason). Jobs that are merely blocked are skipped, so smaller
+   jobs behind them backfill.
+6. Shedding. A bronze job still waiting after `bronze_shed_after_s` is shed: under
+   overload bronze goes first; other tiers only ever expire on their deadline.
+7. Backpressure, per Kafka partition (partitions are keyed by tenant). A partition
+   with a job buffered is paused while its class's buffer is full or the budget is
+   spent (the hold, or nothing buffered fits); every other partition keeps being read,
+   so each one's next job stays visible and a tenant stuck at its tier limit blocks
+   only its own partition, never the class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from kvfleet.contracts import Priority
+from scheduler.tenants import Tenant, Tier
+
+#: Per-request token ceilings relative to the configured base (fixed by the design).
+CEILING_FACTOR = {Priority.HIGH: 2.0, Priority.NORMAL: 1.0, Priority.LOW: 0.25}
+
+
+@dataclass(frozen=True)
+class ClassConfig:
+    #: Fraction of the budget the class is guaranteed while it has demand.
+    share: float
+    #: Hard aging bound, seconds: a job that waited this long goes before all others.
+    max_wait_s: float
+    #: Seconds a job blocked by the budget waits before the budget is held for it.
+    reserve_after_s: float
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    #: Normal's per-request ceiling in tokens (prompt + max_new_tokens); high gets 2×,
+    #: low 1/4. 4096 lets a normal job fill a 4k context.
+    base_ceiling_tokens: int = 4096
+    #: Seconds of waiting worth one priority class when borrowing (level 2): a low job
+    #: that waited 2 × aging_s ranks with a fresh high one.
+    aging_s: float = 20.0
+    # High holds the line at once (reserve_after_s=0): a high job is never overtaken
+    # by smaller jobs of its own or lower classes. Its 60% share is what it may fill
+    # before other classes' shares come first.
+    high: ClassConfig = ClassConfig(share=0.6, max_wait_s=30.0, reserve_after_s=0.0)
+    normal: ClassConfig = ClassConfig(share=0.3, max_wait_s=90.0, reserve_after_s=5.0)
+    low: ClassConfig = ClassConfig(share=0.1, max_wait_s=180.0, reserve_after_s=10.0)
+    #: Default gold reserve per gold tenant, fraction of the budget (Tenant.share overrides).
+    gold_reserve: float = 0.2
+    #: Default burst cap of a silver tenant, fraction of the budget.
+    silver_burst: float = 0.6
+    #: Default hard limit of a bronze tenant, fraction of the budget.
+    bronze_limit: float = 0.2
+    #: Seconds a bronze job may wait before it is shed (the API answers 503 for it).
+    bronze_shed_after_s: float = 30.0
+    #: Jobs buffered per class before its partitions pause: the policy's lookahead. Also
+    #: bounds what a crashed replica leaves for redelivery.
+    max_buffered: int = 64
+
+    def __post_init__(self) -> None:
+        if self.base_ceiling_tokens < 4:
+            raise ValueError(f"base_ceiling_tokens={self.base_ceiling_tokens} must be >= 4 (low gets a quarter)")
+        for name in ("aging_s", "bronze_shed_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
+        for p in Priority:
+            c = self.of(p)
+            if not 0.0 <= c.share <= 1.0:
+                raise ValueError(f"{p.value}.share={c.share} must be within [0, 1]")
+            if not c.max_wait_s > 0:
+                raise ValueError(f"{p.value}.max_wait_s={c.max_wait_s} must be > 0 seconds")
+            if not 0.0 <= c.reserve_after_s <= c.max_wait_s:
+                raise ValueError(f"{p.value}.reserve_after_s={c.reserve_after_s} must be within [0, max_wait_s]")
+        total = sum(self.of(p).share for p in Priority)
+        if total > 1.0 + 1e-9:
+            raise ValueError(f"class shares sum to {total:.2f}; guarantees cannot exceed the budget (<= 1)")
+        for name in ("gold_reserve", "silver_burst", "bronze_limit"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be within (0, 1]")
+        if self.max_buffered < 1:
+            raise ValueError(f"max_buffered={self.max_buffered} must be >= 1")
+
+    def of(self, priority: Priority) -> ClassConfig:
+        return {Priority.HIGH: self.high, Priority.NORMAL: self.normal, Priority.LOW: self.low}[priority]
+
+    def ceiling(self, priority: Priority) -> int:
+        return int(self.base_ceiling_tokens * CEILING_FACTOR[priority])
+
+    def replace(self, **changes) -> "PolicyConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    job_id: str
+    tenant: str
+    tier: Tier
+    priority: Priority
+    prompt_tokens: int
+    max_new_tokens: int
+    enqueued_at: float  # unix (or virtual) seconds: the job's submitted_at
+    deadline: Optional[float] = None
+    partition: int = 0  # Kafka partition of its class topic: the unit of pause/resume
+
+    @property
+    def cost(self) -> int:
+        """KV tokens the job can hold at its peak: what the ledger reserves."""
+        return self.prompt_tokens + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The fleet's token budget as the ledger sees it now."""
+
+    capacity: int
+    in_use: int
+    tenant_in_use: Mapping[str, int] = field(default_factory=dict)
+    class_in_use: Mapping[Priority, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A job leaving the buffer without running, and why."""
+
+    job: PendingJob
+    code: str  # "too_many_tokens" | "deadline_passed" | "overloaded"
+    message: str
+
+
+#: (class, partition number): one partition of one priority topic.
+Partition = tuple[Priority, int]
+
+
+@dataclass(frozen=True)
+class Decision:
+    admit: tuple[PendingJob, ...] = ()  # in admission order: reserve them in this order
+    expire: tuple[Verdict, ...] = ()
+    reject: tuple[Verdict, ...] = ()
+    shed: tuple[Verdict, ...] = ()
+    pause: frozenset[Partition] = frozenset()  # partitions to pause now
+    resume: frozenset[Partition] = frozenset()  # partitions to resume now
+    #: The job the budget is being held for, if any (for logs and metrics).
+    holding: Optional[PendingJob] = None
+
+
+def ceiling_verdict(job: PendingJob, config: PolicyConfig) -> Optional[Verdict]:
+    """A rejection if the job is over its class's ceiling (the API may call this too)."""
+    limit = config.ceiling(job.priority)
+    if job.cost <= limit:
+        return None
+    others = ", ".join(f"{p.value} {config.ceiling(p)}" for p in Priority if p is not job.priority)
+    return Verdict(job, "too_many_tokens", (
+        f"job needs {job.cost} tokens (prompt {job.prompt_tokens} + max_new_tokens {job.max_new_tokens}) "
+        f"but the {job.priority.value} ceiling is {limit}; lower max_new_tokens or shorten the prompt "
+        f"(other ceilings: {others})"))
+
+
+class Room:
+    """The budget during one `schedule()` call: a shared pool plus, per gold tenant,
+    the unused part of its reserve, which only that tenant may take."""
+
+    def __init__(self, budget: Budget, reserves: Mapping[str, int]) -> None:
+        self.capacity = budget.capacity
+        self.tenant_in_use = dict(budget.tenant_in_use)
+        self.class_in_use = dict(budget.class_in_use)
+        self.unused_reserve = {t: max(0, r - self.tenant_in_use.get(t, 0)) for t, r in reserves.items()}
+        # Negative when in use exceeds the capacity (a worker just died): nothing fits.
+        self.shared = budget.capacity - budget.in_use - sum(self.unused_reserve.values())
+
+    def free_for(self, tenant: str, *, shared: bool = True) -> int:
+        return self.unused_reserve.get(tenant, 0) + (max(0, self.shared) if shared else 0)
+
+    def take(self, job: PendingJob) -> None:
+        from_reserve = min(job.cost, self.unused_reserve.get(job.tenant, 0))
+        if from_reserve:
+            self.unused_reserve[job.tenant] -= from_reserve
+        self.shared -= job.cost - from_reserve
+        self.tenant_in_use[job.tenant] = self.tenant_in_use.get(job.tenant, 0) + job.cost
+        self.class_in_use[job.priority] = self.class_in_use.get(job.priority, 0) + job.cost
+
+
+class Policy:
+    """kvfleet's admission policy. Subclasses (`scheduler.baselines`) replace `_admit`
+    and `_shed`; buffering, ceilings, deadlines and backpressure are shared."""
+
+    name = "kvfleet"
+
+    def __init__(self, config: PolicyConfig = PolicyConfig(), tenants: Mapping[str, Tenant] | None = None) -> None:
+        self.config = config
+        self.tenants: Mapping[str, Tenant] = tenants or {}
+        self._buffer: dict[Priority, list[PendingJob]] = {p: [] for p in Priority}
+        self._rejected: list[Verdict] = []
+        self._paused: frozenset[Partition] = frozenset()
+
+    # --- the interface the service and the simulator drive ---
+
+    def add(self, job: PendingJob) -> None:
+        """Buffer a polled job (a job over its ceiling is set aside as rejected)."""
+        verdict = ceiling_verdict(job, self.config)
+        if verdict is not None:
+            self._rejected.append(verdict)
+        else:
+            self._buffer[job.priority].append(job)
+
+    def requeue(self, job: PendingJob) -> None:
+        """Give back an admitted job whose ledger reservation lost a race to another
+        replica; it keeps its place (its enqueue time is unchanged)."""
+        self._buffer[job.priority].append(job)
+
+    def schedule(self, now: float, budget: Budget) -> Decision:
+        rejected, self._rejected = tuple(self._rejected), []
+        expired = self._take(lambda j: j.deadline is not None and j.deadline <= now)
+        room = Room(budget, self._reserves(budget.capacity))
+        admitted, holding = self._admit(now, room)
+        ids = {j.job_id for j in admitted}
+        self._take(lambda j: j.job_id in ids)
+        shed = self._shed(now)
+        pause, resume = self._backpressure(room, holding)
+        return Decision(
+            admit=tuple(admitted),
+            expire=tuple(Verdict(j, "deadline_passed", f"deadline passed {now - j.deadline:.1f} s before admission")
+                         for j in expired),
+            reject=rejected,
+            shed=shed,
+            pause=pause,
+            resume=resume,
+            holding=holding,
+        )
+
+    def pending(self, priority: Optional[Priority] = None) -> int:
+        if priority is not None:
+            return len(self._buffer[priority])
+        return sum(len(b) for b in self._buffer.values())
+
+    @property
+    def paused(self) -> frozenset[Partition]:
+        return self._paused
+
+    # --- kvfleet's rules ---
+
+    def _admit(self, now: float, room: Room) -> tuple[list[PendingJob], Optional[PendingJob]]:
+        queues = {p: sorted(b, key=_fifo) for p, b in self._buffer.items()}
+        heads = {p: 0 for p in Priority}
+        admitted: list[PendingJob] = []
+        holding: Optional[PendingJob] = None
+        held_tenants: set[str] = set()  # their own tier limit is being held for one of their jobs
+        while True:
+            candidates = [(self._rank(q[heads[p]], now, room), p) for p, q in queues.items() if heads[p] < len(q)]
+            if not candidates:
+                break
+            _, p = min(candidates)
+            job = queues[p][heads[p]]
+            heads[p] += 1
+            due = now - job.enqueued_at >= self.config.of(p).reserve_after_s
+            if job.tenant in held_tenants:
+                continue
+            if not self._tenant_allows(job, room):
+                # Over its tier limit: it waits without blocking other tenants, and once
+                # due, the tenant's own smaller jobs stop taking the room it needs.
+                if due and job.cost <= self._tenant_cap(job) * room.capacity:
+                    held_tenants.add(job.tenant)
+                continue
+            if job.cost <= room.free_for(job.tenant, shared=holding is None):
+                room.take(job)
+                admitted.append(job)
+            elif holding is None and due and self._could_fit(job, room):
+                holding = job  # from here on only gold tenants' own reserves are taken
+        return admitted, holding
+
+    def _rank(self, job: PendingJob, now: float, room: Room) -> tuple:
+        """Sort key of a class's head: lower goes first (levels as in the module docstring)."""
+        c = self.config.of(job.priority)
+        wait = now - job.enqueued_at
+        if wait >= c.max_wait_s:
+            return (0, job.enqueued_at, job.job_id)
+        if room.class_in_use.get(job.priority, 0) + job.cost <= c.share * room.capacity:
+            return (1, job.priority.rank, job.enqueued_at, job.job_id)
+        return (2, job.priority.rank - wait / self.config.aging_s, job.enqueued_at, job.job_id)
+
+    def _tenant_allows(self, job: PendingJob, room: Room) -> bool:
+        return room.tenant_in_use.get(job.tenant, 0) + job.cost <= self._tenant_cap(job) * room.capacity
+
+    def _tenant_cap(self, job: PendingJob) -> float:
+        """Most of the budget the job's tenant may hold, as a fraction: gold has no cap
+        beyond the budget (its reserve is a floor), silver its burst, bronze its limit."""
+        return 1.0 if job.tier is Tier.GOLD else self._share(job.tenant, job.tier)
+
+    def _could_fit(self, job: PendingJob, room: Room) -> bool:
+        """Holding the budget for a job that could never fit would stall the fleet."""
+        others_reserved = sum(r for t, r in self._reserves(room.capacity).items() if t != job.tenant)
+        return job.cost <= room.capacity - others_reserved
+
+    def _shed(self, now: float) -> tuple[Verdict, ...]:
+        limit = self.config.bronze_shed_after_s
+        shed = self._take(lambda j: j.tier is Tier.BRONZE and now - j.enqueued_at >= limit)
+        return tuple(Verdict(j, "overloaded", f"fleet overloaded: bronze job shed after waiting {now - j.enqueued_at:.1f} s; "
+                             "retry later") for j in shed)
+
+    def _share(self, tenant: str, tier: Tier) -> float:
+        known = self.tenants.get(tenant)
+        if known is not None and known.share is not None:
+            return known.share
+        return {Tier.GOLD: self.config.gold_reserve, Tier.SILVER: self.config.silver_burst,
+                Tier.BRONZE: self.config.bronze_limit}[tier]
+
+    def _reserves(self, capacity: int) -> dict[str, int]:
+        return {t.name: int(self._share(t.name, Tier.GOLD) * capacity)
+                for t in self.tenants.values() if t.tier is Tier.GOLD}
+
+    # --- shared bookkeeping ---
+
+    def _take(self, predicate) -> list[PendingJob]:
+        """Remove and return the buffered jobs matching `predicate`."""
+        taken: list[PendingJob] = []
+        for p, jobs in self._buffer.items():
+            keep = []
+            for job in jobs:
+                (taken if predicate(job) else keep).append(job)
+            self._buffer[p] = keep
+        return taken
+
+    def _backpressure(self, room: Room, holding: Optional[PendingJob]) -> tuple[frozenset, frozenset]:
+        waiting = [j for b in self._buffer.values() for j in b]
+        spent = holding is not None or (
+            bool(waiting) and all(j.cost > room.free_for(j.tenant) for j in waiting))
+        full = {p for p, b in self._buffer.items() if len(b) >= self.config.max_buffered}
+        paused = frozenset((j.priority, j.partition) for j in waiting if spent or j.priority in full)
+        pause, resume = paused - self._paused, self._paused - paused
+        self._paused = paused
+        return pause, resume
+
+
+def _fifo(job: PendingJob) -> tuple[float, str]:
+    return (job.enqueued_at, job.job_id)

@@ -1,0 +1,121 @@
+"""A real fleet for integration tests: API, scheduler and workers as OS processes.
+
+Each `Fleet` gets its own key prefix, topic prefix and Celery queues (all derived from
+one test prefix) on the shared local Kafka and Redis, so fleets of different tests never
+see each other's jobs. Processes are the real entry points (`python -m producer.api`,
+…), killed at teardown; their logs go to files that a failing test prints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import redis
+
+from kvfleet.constants import Keys
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {"api": "producer.api", "scheduler": "scheduler.service", "worker": "workers.service"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    def __init__(self, *, prefix: str, kafka: str, redis_url: str, cache_redis_url: str, log_dir: Path,
+                 model: str = "builtin:tiny", extra_env: Optional[dict[str, str]] = None) -> None:
+        self.prefix = prefix
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.keys = Keys(prefix)
+        self.redis = redis.Redis.from_url(redis_url)
+        self.log_dir = log_dir
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "KVFLEET_KAFKA_BOOTSTRAP": kafka,
+            "KVFLEET_REDIS_URL": redis_url,
+            "KVFLEET_CACHE_REDIS_URL": cache_redis_url,
+            "KVFLEET_KEY_PREFIX": prefix,
+            "KVFLEET_TOPIC_PREFIX": f"{prefix}.requests",
+            "KVFLEET_SCHEDULER_GROUP": f"{prefix}-scheduler",
+            "KVFLEET_KAFKA_PARTITIONS": "2",
+            "KVFLEET_MODEL": model,
+            "KVFLEET_API_PORT": str(self.port),
+            "KVFLEET_SCHEDULER_METRICS_PORT": "0",
+            "KVFLEET_WORKER_METRICS_PORT": "0",
+            "KVFLEET_LOG_LEVEL": "INFO",
+            "OMP_NUM_THREADS": "1",
+            **(extra_env or {}),
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.killed: set[str] = set()
+        self._count = 0
+
+    def start(self, role: str, *, name: Optional[str] = None, env: Optional[dict[str, str]] = None) -> str:
+        self._count += 1
+        name = name or f"{role}-{self._count}"
+        log = open(self.log_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", MODULES[role]], env={**self.env, **(env or {})},
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+        )
+        return name
+
+    def wait_ready(self, workers: int = 1, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.assert_alive()
+            if self._api_ready() and self.live_workers() >= workers:
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"fleet not ready in {timeout}s\n{self.logs()}")
+
+    def _api_ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def live_workers(self) -> int:
+        return len(list(self.redis.scan_iter(self.keys.workers_pattern)))
+
+    def assert_alive(self) -> None:
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None and n not in self.killed}
+        if dead:
+            raise RuntimeError(f"fleet processes exited: {dead}\n{self.logs()}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.killed.add(name)
+        self.procs[name].send_signal(sig)
+        self.procs[name].wait(timeout=30)
+
+    def logs(self, lines: int = 40) -> str:
+        out = []
+        for path in sorted(self.log_dir.glob("*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name} ---\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.redis.close()

@@ -1,0 +1,219 @@
+"""kvstore.coldtier and kvstore.hooks against the real cache Redis, on CPU block pools."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis as redis_lib
+import torch
+from prometheus_client import REGISTRY
+
+from kvfleet.constants import Keys
+from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, HEADER, BlobCodec, KVLayout, Quant
+from kvstore.coldtier import ColdTier, PrefixSource
+from kvstore.hooks import ColdTierHooks
+
+# kvstore.blob silences this at import; pytest resets warning filters per test.
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+MODEL = "model-a"
+HASHES = [f"{i:032x}" for i in range(1, 6)]  # the engine's block hashes are 32 hex chars
+
+
+def make_pool(dtype=torch.float16, *, layers=2, blocks=8, block_size=4, heads=2, dim=64, seed=0, zeros=False):
+    """Per layer (k, v), each (NB, BS, Hkv, D), as the engine's kv_cache."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (blocks, block_size, heads, dim)
+    if zeros:
+        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(layers)]
+    return [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)) for _ in range(layers)]
+
+
+def block_of(pool, block_id: int) -> torch.Tensor:  # (L, 2, BS, Hkv, D)
+    return torch.stack([torch.stack([k[block_id], v[block_id]]) for k, v in pool])
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def make_tier(cache_client, prefix):
+    tiers: list[ColdTier] = []
+
+    def make(pool, **options) -> ColdTier:
+        options.setdefault("ttl_s", 60)
+        tier = ColdTier(cache_client, Keys(prefix), options.pop("model", MODEL), pool, **options)
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_then_load_is_exact(make_tier, dtype):
+    src, dst = make_pool(dtype), make_pool(dtype, zeros=True)
+    make_tier(src).store(HASHES[:3], [1, 2, 3])
+    asked = []
+    loaded = make_tier(dst).load(HASHES[:3], lambda n: asked.append(n) or [5, 6, 7][:n])
+    assert loaded == 3 and asked == [3]
+    for src_id, dst_id in [(1, 5), (2, 6), (3, 7)]:
+        assert torch.equal(block_of(dst, dst_id), block_of(src, src_id))
+    assert block_of(dst, 0).abs().sum() == 0  # nothing else written
+
+
+def test_int8_load_is_within_tolerance(make_tier):
+    src, dst = make_pool(torch.float16), make_pool(torch.float16, zeros=True)
+    make_tier(src, quant=Quant.INT8).store(HASHES[:1], [1])
+    assert make_tier(dst).load(HASHES[:1], lambda n: [4]) == 1  # any reader opens int8 blobs
+    x, y = block_of(src, 1).float(), block_of(dst, 4).float()
+    step = x.abs().amax(dim=-1, keepdim=True) / 127  # half a step per row, plus fp16 rounding
+    assert ((y - x).abs() <= step / 2 + x.abs() * 2**-10 + 1e-6).all()
+
+
+def test_load_returns_the_longest_leading_run(make_tier):
+    tier = make_tier(make_pool())
+    tier.store([HASHES[0], HASHES[1], HASHES[3]], [0, 1, 3])  # HASHES[2] missing
+    assert tier.load(HASHES[:4], lambda n: list(range(4, 4 + n))) == 2
+    assert tier.load(HASHES[2:4], lambda n: pytest.fail("nothing to allocate")) == 0
+
+
+def test_spill_copies_the_block_before_it_is_reused(make_tier):
+    pool = make_pool()
+    expected = block_of(pool, 2).clone()
+    tier = make_tier(pool)
+    assert tier.spill(HASHES[0], 2)
+    for k, v in pool:  # the engine reuses block 2 right after the hook returns
+        k[2].fill_(7), v[2].fill_(7)
+    assert tier.flush(10)
+    dst = make_pool(zeros=True)
+    assert make_tier(dst).load(HASHES[:1], lambda n: [0]) == 1
+    assert torch.equal(block_of(dst, 0), expected)
+
+
+def test_spill_drops_and_counts_when_the_queue_is_full(make_tier):
+    before = metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="queue_full")
+    tier = make_tier(make_pool(), spill_max_bytes=1000)  # less than one block
+    assert not tier.spill(HASHES[0], 0)
+    assert metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="queue_full") == before + 1
+
+
+def test_spill_writes_batches_with_jittered_physical_ttls(make_tier, cache_client):
+    tier = make_tier(make_pool(), ttl_s=100, grace_s=50)
+    for i, h in enumerate(HASHES):
+        assert tier.spill(h, i)
+    assert tier.flush(10)
+    pttls = [cache_client.pttl(tier.key(h)) for h in HASHES]
+    assert all(139_000 <= p <= 160_000 for p in pttls) and len(set(pttls)) == len(HASHES)
+
+
+def test_a_stale_block_is_loaded_and_its_life_extended(make_tier, cache_client):
+    tier = make_tier(make_pool(), ttl_s=0.2, grace_s=30, jitter=0.0)
+    tier.store(HASHES[:1], [0])
+    time.sleep(0.3)  # logically expired: still correct (content-addressed), so still used
+    assert tier.load(HASHES[:1], lambda n: [1]) == 1
+    raw = cache_client.get(tier.key(HASHES[0]))
+    assert EXPIRES_AT.unpack_from(raw, EXPIRES_AT_OFFSET)[0] > time.time()
+    assert tier.load(HASHES[:1], lambda n: [1]) == 1  # the touched blob still validates
+
+
+def _mangled(tier: ColdTier, how: str) -> bytes:
+    good = BlobCodec(tier.layout, MODEL)
+    buf, kv = good.new_buffer()
+    kv.normal_()
+    raw = bytes(good.seal(buf, HASHES[0], time.time() + 60))
+    if how == "corrupt":
+        return raw[:HEADER.size] + bytes([raw[HEADER.size] ^ 1]) + raw[HEADER.size + 1:]
+    if how == "truncated":
+        return raw[: len(raw) // 2]
+    if how == "model":
+        other = BlobCodec(tier.layout, "model-b")
+    else:  # shape
+        other = BlobCodec(KVLayout(2, 4, 2, 32, torch.float16), MODEL)
+    buf, kv = other.new_buffer()
+    kv.normal_()
+    return bytes(other.seal(buf, HASHES[0], time.time() + 60))
+
+
+@pytest.mark.parametrize("how, reason", [("corrupt", "checksum"), ("truncated", "truncated"), ("model", "model"), ("shape", "shape")])
+def test_an_invalid_blob_is_a_miss_and_is_deleted(make_tier, cache_client, how, reason):
+    dst = make_pool(zeros=True)
+    tier = make_tier(dst)
+    cache_client.set(tier.key(HASHES[0]), _mangled(tier, how))
+    before = metric("kvfleet_kv_cold_rejected_blobs_total", reason=reason)
+    assert tier.load(HASHES[:2], lambda n: pytest.fail("nothing may be allocated")) == 0
+    assert not cache_client.exists(tier.key(HASHES[0]))
+    assert metric("kvfleet_kv_cold_rejected_blobs_total", reason=reason) == before + 1
+    assert all(k.abs().sum() == 0 and v.abs().sum() == 0 for k, v in dst)  # never loaded
+
+
+def test_ensure_prefix_prefills_once_across_workers(make_tier):
+    builder_pool = make_pool(seed=1)
+    prefills = []
+
+    def worker(results: list) -> None:
+        tier = make_tier(make_pool(zeros=True), poll_s=0.05)
+
+        def prefill() -> None:  # stands in for a local prefill of the prompt
+            prefills.append(1)
+            time.sleep(0.3)
+            make_tier(builder_pool).store(HASHES[:3], [0, 1, 2])
+
+        source = tier.ensure_prefix(HASHES[:3], prefill)
+        if source is PrefixSource.COLD:
+            assert tier.load(HASHES[:3], lambda n: [3, 4, 5]) == 3
+            assert torch.equal(block_of(tier.kv_caches, 5), block_of(builder_pool, 2))
+        results.append(source)
+
+    results: list = []
+    threads = [threading.Thread(target=worker, args=(results,)) for _ in range(6)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert len(prefills) == 1
+    assert sorted(results) == sorted([PrefixSource.BUILT] + [PrefixSource.COLD] * 5)
+
+
+def test_ensure_prefix_without_the_lock_prefills_everywhere(make_tier):
+    prefills = []
+    tiers = [make_tier(make_pool(zeros=True), use_lock=False) for _ in range(4)]
+
+    def prefill(tier: ColdTier) -> None:
+        prefills.append(1)
+        time.sleep(0.2)
+        tier.store(HASHES[:2], [0, 1])
+
+    threads = [threading.Thread(target=t.ensure_prefix, args=(HASHES[:2], lambda t=t: prefill(t))) for t in tiers]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert len(prefills) == 4
+
+
+def test_hooks_spill_on_evict_and_fill_on_admit(make_tier):
+    src, dst = make_pool(seed=3), make_pool(zeros=True)
+    evicting = ColdTierHooks(make_tier(src))
+    for i, h in enumerate(HASHES[:2]):
+        evicting.on_evict(h, (1, 2, 3, 4), None, i)
+    assert evicting.tier.flush(10)
+    admitting = ColdTierHooks()
+    missing = [SimpleNamespace(block_hash=h, parent_hash=None, token_ids=(), block_id=6 - i) for i, h in enumerate(HASHES[:3])]
+    assert admitting.on_admit(missing) == 0  # no tier bound yet: a no-op
+    admitting.tier = make_tier(dst)
+    assert admitting.on_admit(missing) == 2  # the third was never spilled
+    assert torch.equal(block_of(dst, 6), block_of(src, 0)) and torch.equal(block_of(dst, 5), block_of(src, 1))
+
+
+def test_admit_with_redis_down_is_a_miss_not_an_error(prefix):
+    down = redis_lib.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    tier = ColdTier(down, Keys(prefix), MODEL, make_pool())
+    try:
+        hooks = ColdTierHooks(tier)
+        assert hooks.on_admit([SimpleNamespace(block_hash=HASHES[0], block_id=0)]) == 0
+        hooks.on_evict(HASHES[0], (), None, 0)  # queued; the writer's failure is counted, not raised
+        assert tier.flush(10)
+    finally:
+        tier.close()

@@ -1,0 +1,181 @@
+"""The paged KV block pool's bookkeeping: which block holds which tokens, who shares it.
+
+A full block is named by a chained hash of (parent block's hash, its tokens, model
+fingerprint), so equal prefixes get equal hash chains in every process of the fleet and
+for no other model. A block's hash is registered only after its K/V were computed (a
+chunked prefill fills a block over several steps; sharing it earlier would serve
+unwritten slots). Blocks are ref-counted; when the last holder lets go, a hashed block
+stays in the pool as a free cache entry until it is reused, least recently freed first.
+
+This module holds no tensors: block ids index the pool the model runner owns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+from workers.engine.hooks import BlockHooks, MissingBlock, NoBlockHooks
+from workers.engine.sequence import Sequence
+
+
+def block_hash(parent_hash: str | None, token_ids: Seq[int], fingerprint: str) -> str:
+    """32 hex chars; stable across processes and machines (fixed little-endian layout)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(fingerprint.encode())
+    h.update(b"\0" if parent_hash is None else bytes.fromhex(parent_hash))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.hexdigest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: str | None = None  # set once its K/V are computed and it is full
+    parent_hash: str | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str, hooks: BlockHooks | None = None) -> None:
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.hooks = hooks or NoBlockHooks()
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[str, int] = {}
+        # Free blocks without a hash are reused first, so cached ones live as long as possible.
+        self.free_unhashed: deque[int] = deque(range(num_blocks))
+        self.free_hashed: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self.cache_queries = 0  # full prompt blocks looked up
+        self.cache_hits = 0  # ... found in the pool
+        self.outside_hits = 0  # ... filled by hooks.on_admit
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_unhashed) + len(self.free_hashed)
+
+    # --- admission -------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        # Cached blocks someone else holds cost nothing; free cached ones leave the free list.
+        shared = sum(1 for b in self._cached_prefix(seq) if self.blocks[b].ref_count > 0)
+        return seq.num_blocks(self.block_size) - shared <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for all of `seq`'s tokens; sets `num_computed_tokens` to what is cached."""
+        assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        hashes = self._hashes(seq)
+        cached = self._cached_prefix(seq)
+        for bid in cached:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_hashed[bid]
+            block.ref_count += 1
+        seq.block_table = cached + [self._take_free() for _ in range(seq.num_blocks(self.block_size) - len(cached))]
+
+        lookup_limit = self._lookup_limit(seq)
+        missing = [
+            MissingBlock(hashes[i], hashes[i - 1] if i else None,
+                         tuple(seq.block_tokens(i, self.block_size)), seq.block_table[i])
+            for i in range(len(cached), lookup_limit)
+        ]
+        filled = self.hooks.on_admit(missing) if missing else 0
+        if not 0 <= filled <= len(missing):
+            raise ValueError(f"on_admit returned {filled} for {len(missing)} missing blocks")
+        for m in missing[:filled]:
+            self._register(m.block_id, m.block_hash, m.parent_hash, m.token_ids)
+        self.cache_queries += lookup_limit
+        self.cache_hits += len(cached)
+        self.outside_hits += filled
+        seq.num_computed_tokens = (len(cached) + filled) * self.block_size
+
+    def deallocate(self, seq: Sequence) -> None:
+        # Tail first: the end of a prefix is then evicted before its beginning, which
+        # every longer prefix needs.
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_unhashed.append(bid)
+                else:
+                    self.free_hashed[bid] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    # --- growth ----------------------------------------------------------------
+
+    def can_append(self, seq: Sequence) -> bool:
+        return seq.num_blocks(self.block_size) - len(seq.block_table) <= self.num_free_blocks
+
+    def may_append(self, seq: Sequence) -> None:
+        """A block for the token about to be computed, when the last one is full."""
+        while len(seq.block_table) < seq.num_blocks(self.block_size):
+            seq.block_table.append(self._take_free())
+
+    def cache_computed_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
+        """After a step computed `num_new_tokens` of `seq`: publish the blocks it filled."""
+        hashes = self._hashes(seq)
+        first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
+        for i in range(first, seq.num_computed_tokens // self.block_size):
+            if self.blocks[seq.block_table[i]].hash is None:
+                self._register(seq.block_table[i], hashes[i], hashes[i - 1] if i else None,
+                               tuple(seq.block_tokens(i, self.block_size)))
+
+    # --- internals -------------------------------------------------------------
+
+    def _hashes(self, seq: Sequence) -> list[str]:
+        """Hashes of all of `seq`'s full blocks, extending the ones already computed."""
+        while len(seq.block_hashes) < seq.num_tokens // self.block_size:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            seq.block_hashes.append(block_hash(parent, seq.block_tokens(i, self.block_size), self.fingerprint))
+        return seq.block_hashes
+
+    def _lookup_limit(self, seq: Sequence) -> int:
+        # The last token is always computed, since its logits give the next token: a
+        # fully cached sequence recomputes its last block.
+        return (seq.num_tokens - 1) // self.block_size
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pool block ids of the leading run of `seq`'s full blocks already computed."""
+        hashes = self._hashes(seq)
+        found: list[int] = []
+        for i in range(self._lookup_limit(seq)):
+            bid = self.hash_to_block.get(hashes[i])
+            if bid is None:
+                break
+            block = self.blocks[bid]
+            # Compare what the hash stands for, so a collision never serves another prefix's K/V.
+            if block.token_ids != tuple(seq.block_tokens(i, self.block_size)) or \
+                    block.parent_hash != (hashes[i - 1] if i else None):
+                break
+            found.append(bid)
+        return found
+
+    def _register(self, bid: int, h: str, parent: str | None, token_ids: tuple[int, ...]) -> None:
+        if h in self.hash_to_block:
+            return  # computed twice (two equal prompts admitted together): keep the first copy
+        block = self.blocks[bid]
+        block.hash, block.parent_hash, block.token_ids = h, parent, token_ids
+        self.hash_to_block[h] = bid
+
+    def _take_free(self) -> int:
+        if self.free_unhashed:
+            bid = self.free_unhashed.popleft()
+        else:
+            bid, _ = self.free_hashed.popitem(last=False)  # least recently freed
+            block = self.blocks[bid]
+            self.hooks.on_evict(block.hash, block.token_ids, block.parent_hash, bid)
+            del self.hash_to_block[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        self.blocks[bid].ref_count = 1
+        return bid

@@ -1,0 +1,29 @@
+"""The engine's Prometheus metrics, on the default registry (defined once, at import).
+
+Base units: seconds and tokens. Blocks are counted as blocks (of `block_size` tokens).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Buckets from a few ms (a cached prompt on a GPU) to a minute (a long prompt queued
+# behind a busy CPU engine).
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+TIME_TO_FIRST_TOKEN = Histogram(
+    "kvfleet_engine_time_to_first_token_seconds",
+    "From submit to the first generated token", buckets=_TTFT_BUCKETS,
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "kvfleet_engine_time_per_output_token_seconds",
+    "Mean time between generated tokens after the first, per request", buckets=_TPOT_BUCKETS,
+)
+GENERATED_TOKENS = Counter("kvfleet_engine_generated_tokens", "Tokens generated")
+RUNNING_SEQUENCES = Gauge("kvfleet_engine_running_sequences", "Sequences holding KV blocks")
+WAITING_SEQUENCES = Gauge("kvfleet_engine_waiting_sequences", "Sequences waiting for admission")
+KV_BLOCKS_USED = Gauge("kvfleet_engine_kv_blocks_used", "KV pool blocks held by sequences")
+KV_BLOCKS_FREE = Gauge("kvfleet_engine_kv_blocks_free", "KV pool blocks free (cached or empty)")
+PREFIX_CACHE_QUERIES = Counter("kvfleet_engine_prefix_cache_queries", "Full prompt blocks looked up in the pool")
+PREFIX_CACHE_HITS = Counter("kvfleet_engine_prefix_cache_hits", "Full prompt blocks found in the pool")

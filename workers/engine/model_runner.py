@@ -1,0 +1,80 @@
+"""The device side of a step: owns the KV pool, turns a ScheduledBatch into tensors,
+runs the model and samples one token per sequence that reached the end of its tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.scheduler import ScheduledBatch
+from workers.model.attention import AttentionMetadata
+from workers.model.llama import KVCache
+from workers.model.loader import LoadedModel
+from workers.model.sampling import sample
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    """K and V of every layer for `block_size` tokens."""
+    c = loaded.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * loaded.dtype.itemsize
+    return per_token * block_size
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = block_size
+        c = loaded.config
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_cache: KVCache = [
+            (torch.zeros(shape, device=loaded.device, dtype=loaded.dtype),
+             torch.zeros(shape, device=loaded.device, dtype=loaded.dtype))
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """The sampled token of each sequence, or None for a prefill chunk that stops
+        short of the sequence's last token (its logits predict nothing we need)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        context_lens: list[int] = []
+        last_rows: list[int] = []  # flat row of each sampling sequence's last token
+        samplers = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            lo, hi = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[lo:hi]
+            positions += range(lo, hi)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(lo, hi)]
+            starts.append(starts[-1] + n)
+            context_lens.append(hi)
+            if hi == seq.num_tokens:
+                last_rows.append(starts[-1] - 1)
+                samplers.append(seq)
+
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        # Padding entries are never read (attention stops at context_len); 0 keeps any
+        # over-read by a kernel inside the pool.
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        meta = AttentionMetadata(
+            cu_seqlens_q=self._tensor(starts, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),  # (B, width)
+            slot_mapping=self._tensor(slots, torch.int64),
+            query_starts=tuple(starts),
+            fresh_prefill=all(seq.num_computed_tokens == 0 for seq in batch.seqs),
+        )
+        with torch.inference_mode():
+            hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
+                                meta, self.kv_cache)  # (T, H)
+            tokens: list[int] = []
+            if samplers:
+                logits = self.model.compute_logits(hidden[last_rows])  # (S, V)
+                tokens = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
+        sampled = {id(s): t for s, t in zip(samplers, tokens)}
+        return [sampled.get(id(seq)) for seq in batch.seqs]
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

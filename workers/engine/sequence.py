@@ -1,0 +1,95 @@
+"""One request's state inside the engine: its tokens, its KV blocks, its progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kvfleet.contracts import Sampling
+from workers.model.sampling import make_generator
+
+
+class SequenceStatus(str, enum.Enum):
+    WAITING = "waiting"  # not holding blocks: new, or preempted
+    RUNNING = "running"  # holding blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_tokens: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        *,
+        priority_rank: int,
+        stop: tuple[str, ...],
+        ignore_eos: bool,
+        arrival_order: int,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_tokens)  # prompt, then every generated token
+        self.num_prompt_tokens = len(prompt_tokens)
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.generator: torch.Generator | None = make_generator(sampling)
+        self.priority_rank = priority_rank  # 0 is served first (contracts.Priority.rank)
+        self.stop = stop
+        self.ignore_eos = ignore_eos
+        self.arrival_order = arrival_order  # ties in priority go to the older request
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "eos" | "stop" | "length"
+
+        self.block_table: list[int] = []
+        #: Chained hashes of the leading full blocks, computed once and kept across
+        #: preemption (the tokens of a full block never change).
+        self.block_hashes: list[str] = []
+        #: Tokens whose K/V are in this sequence's blocks (cached or computed).
+        self.num_computed_tokens = 0
+        #: Prompt tokens served from the prefix cache when first admitted.
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+
+        self.submitted_at = time.time()  # unix seconds, for the Completion
+        self.started_at: float | None = None  # first scheduled
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Service order: priority first, then age. The largest key is preempted first."""
+        return (self.priority_rank, self.arrival_order)
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks needed to hold every token's K/V."""
+        return (self.num_tokens + block_size - 1) // block_size
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        return self.token_ids[index * block_size:(index + 1) * block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,175 @@
+"""`load_model(source)`: a built-in seeded-random model or a Hugging Face Llama checkpoint.
+
+Either way the result carries a `fingerprint`: a hash of the config and of every weight
+byte. Cached KV is only valid for the exact weights that computed it, so the fingerprint
+is part of every block hash and every cold-tier key; two workers share KV exactly when
+their fingerprints match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from workers.model.config import LlamaConfig
+from workers.model.llama import LlamaForCausalLM
+from workers.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_CONFIGS: dict[str, LlamaConfig] = {
+    # Small enough that a test's forward pass takes milliseconds on one CPU core.
+    "tiny": LlamaConfig(
+        vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=1024, bos_token_id=256, eos_token_id=(257,),
+    ),
+    # Big enough that matrix work, not Python, dominates a step: what benchmarks need.
+    "bench": LlamaConfig(
+        vocab_size=258, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=4096, bos_token_id=256, eos_token_id=(257,),
+    ),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: LlamaConfig
+    name: str  # what clients put in `model`: "builtin:tiny" or the checkpoint directory's name
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: str  # 32 hex chars; same config and weights -> same string, in any process
+    max_context: int  # tokens, prompt and output together
+
+
+def load_model(source: str, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """"builtin:tiny", "builtin:bench", or a checkpoint directory (config.json,
+    *.safetensors, tokenizer.json). device "auto": cuda when available, else cpu;
+    dtype "auto": bfloat16 on cuda, float32 on cpu."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+    if dtype == "auto":
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif dtype in _DTYPES:
+        dt = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(_DTYPES)}")
+
+    if source.startswith(BUILTIN_PREFIX):
+        config, state, fingerprint = _builtin(source.removeprefix(BUILTIN_PREFIX))
+        tokenizer: Tokenizer = ByteTokenizer()
+        name = source
+    else:
+        path = Path(source)
+        config, state, fingerprint = _checkpoint(path)
+        tokenizer = _checkpoint_tokenizer(path, config)
+        name = path.resolve().name
+
+    model = LlamaForCausalLM(config, device="meta")  # structure only: no memory, no random init
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:  # missing/unexpected names, wrong shapes: torch lists them all
+        raise ValueError(f"weights of {source!r} do not fit a Llama with this config.json: {e}") from None
+    model.to(device=dev, dtype=dt).eval().requires_grad_(False)
+    return LoadedModel(model, tokenizer, config, name, dev, dt, fingerprint, config.max_position_embeddings)
+
+
+def _builtin(size: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], str]:
+    if size not in BUILTIN_CONFIGS:
+        raise ValueError(f"unknown built-in model 'builtin:{size}'; choose one of {sorted(BUILTIN_CONFIGS)}")
+    config = BUILTIN_CONFIGS[size]
+    # Seeded CPU init in a fixed name order: every process builds the same bytes.
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(size.encode(), "little"))
+    state: dict[str, torch.Tensor] = {}
+    for name, meta in sorted(LlamaForCausalLM(config, device="meta").state_dict().items()):
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(meta.shape)
+            continue
+        # Unit-variance embeddings and 1/sqrt(fan_in) projections keep activations O(1)
+        # through the layers; a wider lm_head spreads the logits over a few units, so
+        # random weights still give input-dependent (not uniform) next tokens.
+        std = 1.0 if "embed_tokens" in name else meta.shape[1] ** -0.5
+        if name == "lm_head.weight":
+            std *= 4.0
+        state[name] = torch.randn(meta.shape, generator=gen) * std
+    h = hashlib.blake2b(config.to_json().encode(), digest_size=16)
+    for name, tensor in state.items():
+        h.update(name.encode())
+        h.update(tensor.numpy().tobytes())
+    return config, state, h.hexdigest()
+
+
+def _checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], str]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{config_file} not found: a model source is 'builtin:tiny', 'builtin:bench' or a "
+            "Hugging Face checkpoint directory with config.json, *.safetensors and tokenizer.json"
+        )
+    config = LlamaConfig.from_hf_dict(json.loads(config_file.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (PyTorch .bin checkpoints are not loaded)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, tensor in safetensors.torch.load_file(f, device="cpu").items():
+            if name in state:
+                raise ValueError(f"weight {name!r} appears in two shards of {path}")
+            state[name] = tensor
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store a copy; the model has none
+    # Every byte of every shard, in file-name order. Each shard hashes on its own thread
+    # (hashlib releases the GIL), about 1 s per GB per core; a cheaper digest of headers
+    # alone would give two fine-tunes with equal shapes the same fingerprint.
+    with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
+        digests = list(pool.map(_file_digest, files))
+    h = hashlib.blake2b(config.to_json().encode(), digest_size=16)
+    for f, digest in zip(files, digests):
+        h.update(f.name.encode() + digest)
+    return config, state, h.hexdigest()
+
+
+def _file_digest(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=32)).digest()
+
+
+def _checkpoint_tokenizer(path: Path, config: LlamaConfig) -> HFTokenizer:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{tokenizer_file} not found: the checkpoint must ship a `tokenizers` tokenizer.json")
+    tokenizer = HFTokenizer(
+        tokenizer_file,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id[0] if config.eos_token_id else None,
+    )
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"tokenizer.json has {tokenizer.vocab_size} tokens but the model's vocab_size is {config.vocab_size}"
+        )
+    return tokenizer
+
+
+def load_tokenizer_and_config(source: str) -> tuple[Tokenizer, LlamaConfig, str]:
+    """The tokenizer, config and client-facing name of a model, without its weights:
+    what the API needs to validate prompts against the served model."""
+    if source.startswith(BUILTIN_PREFIX):
+        size = source.removeprefix(BUILTIN_PREFIX)
+        if size not in BUILTIN_CONFIGS:
+            raise ValueError(f"unknown built-in model {source!r}; choose one of {sorted(BUILTIN_CONFIGS)}")
+        return ByteTokenizer(), BUILTIN_CONFIGS[size], source
+    path = Path(source)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: a model source is 'builtin:tiny', 'builtin:bench' "
+                                "or a Hugging Face checkpoint directory")
+    config = LlamaConfig.from_hf_dict(json.loads(config_file.read_text()))
+    return _checkpoint_tokenizer(path, config), config, path.resolve().name

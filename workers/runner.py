@@ -1,0 +1,160 @@
+"""Runs one delivered job, exactly once in effect, whatever Celery delivers.
+
+A delivery may be the first, a redelivery after a worker died, or a duplicate of a job
+that is still running elsewhere (the visibility-timeout pitfall, or a scheduler that
+dispatched twice). The runner tells them apart with two facts in Redis:
+  - the job's state: terminal means done already, so this copy only acknowledges;
+  - the job's run lease: held means another copy is executing it right now, so this copy
+    waits until that copy finishes (then acknowledges) or dies (then takes over).
+The result is written by `JobStore.finish`, which checks that this runner still holds
+the lease, so even a runner that stalled past its lease cannot write a second result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import msgspec
+import redis
+
+from kvfleet import constants
+from kvfleet.contracts import (
+    Completion,
+    JobRequest,
+    JobResult,
+    JobState,
+    Sampling,
+    Timings,
+    Usage,
+    request_from_builtins,
+)
+from kvfleet.jobstore import JobStore
+from kvstore.lock import Lease
+
+log = logging.getLogger("kvfleet.worker")
+
+
+class Generator(Protocol):
+    """What the runner needs from the engine."""
+
+    def generate(self, request_id: str, prompt_tokens: list[int], max_new_tokens: int, sampling: Sampling, *,
+                 priority_rank: int = 1, stop: tuple[str, ...] = ()) -> Completion: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one delivery ended; `label` feeds the task-outcome metric."""
+
+    label: str  # done | failed | expired | duplicate | invalid
+    job_id: str | None
+
+
+class JobRunner:
+    def __init__(self, store: JobStore, client: redis.Redis, engine: Generator, tokenizer: Tokenizer, *,
+                 worker_id: str, lease_s: float = constants.RUN_LEASE_S, poll_s: float = 0.5,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.client = client
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.worker_id = worker_id
+        self.lease_ms = int(lease_s * 1000)
+        self.poll_s = poll_s
+        self.clock = clock
+
+    def run(self, raw: dict) -> Outcome:
+        try:
+            job = request_from_builtins(raw)
+        except msgspec.ValidationError as exc:
+            # The scheduler validated it; a bad task here means a foreign or corrupt message.
+            job_id = raw.get("job_id") if isinstance(raw, dict) else None
+            log.error("invalid task payload", extra={"job_id": job_id, "error": str(exc)})
+            if isinstance(job_id, str) and self.store.state(job_id) is not None:
+                self.store.fail(job_id, JobState.FAILED, "invalid_task", f"the task payload was invalid: {exc}",
+                                now=self.clock())
+            return Outcome("invalid", job_id if isinstance(job_id, str) else None)
+        if self.store.state(job.job_id) is None:
+            # Dispatched by a path that skipped the API (or the record expired): record it
+            # so the job has a truthful state from here on.
+            self.store.create(job)
+        lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)
+        if not self._claim(job.job_id, lease):
+            log.info("duplicate delivery; job already finished", extra={"job_id": job.job_id})
+            return Outcome("duplicate", job.job_id)
+        try:
+            return self._execute(job, lease)
+        finally:
+            lease.release()
+
+    def _claim(self, job_id: str, lease: Lease) -> bool:
+        """Take the run lease; False if the job reached a terminal state meanwhile."""
+        while True:
+            state = self.store.state(job_id)
+            if state is not None and state.terminal:
+                return False
+            if lease.acquire():
+                # Re-check: the previous holder may have finished between our read and
+                # the acquire (finish writes the result, then releases the lease).
+                state = self.store.state(job_id)
+                if state is not None and state.terminal:
+                    lease.release()
+                    return False
+                return True
+            # Another copy runs it now. Wait: it either finishes (terminal) or dies and
+            # its lease expires, after which we take over.
+            time.sleep(self.poll_s)
+
+    def _execute(self, job: JobRequest, lease: Lease) -> Outcome:
+        lease.keep_alive()
+        now = self.clock()
+        if job.deadline is not None and now > job.deadline:
+            self.store.fail(job.job_id, JobState.EXPIRED, "deadline_passed",
+                            f"the job waited {now - job.submitted_at:.1f}s and passed its deadline before it could run",
+                            now=now, lease_token=lease.token)
+            log.info("expired before start", extra={"job_id": job.job_id})
+            return Outcome("expired", job.job_id)
+        self.store.start(job.job_id, now=now, worker=self.worker_id)
+        log.info("running", extra={"job_id": job.job_id, "priority": job.priority.value, "tenant": job.tenant})
+        try:
+            prompt = job.prompt_tokens if job.prompt_tokens is not None else self.tokenizer.encode(job.prompt or "")
+            completion = self.engine.generate(job.job_id, prompt, job.max_new_tokens, job.sampling,
+                                              priority_rank=job.priority.rank, stop=tuple(job.sampling.stop))
+        except ValueError as exc:  # the engine's own input checks (e.g. PromptTooLong)
+            self.store.fail(job.job_id, JobState.FAILED, "invalid_request", str(exc), now=self.clock(),
+                            lease_token=lease.token)
+            log.warning("rejected by engine", extra={"job_id": job.job_id, "error": str(exc)})
+            return Outcome("failed", job.job_id)
+        except Exception as exc:  # noqa: BLE001 - any engine fault must end the job truthfully
+            self.store.fail(job.job_id, JobState.FAILED, "worker_error", f"{type(exc).__name__}: {exc}",
+                            now=self.clock(), lease_token=lease.token)
+            log.exception("engine error", extra={"job_id": job.job_id})
+            return Outcome("failed", job.job_id)
+        result = self._result(job, completion)
+        written = self.store.finish(result, lease_token=lease.token)
+        if not written.ok:
+            # Lease lost (we stalled past it and another copy took over) or already
+            # terminal: the other copy's result stands; ours is dropped, not doubled.
+            log.warning("result not written", extra={"job_id": job.job_id, "state": written.previous})
+            return Outcome("duplicate", job.job_id)
+        log.info("done", extra={"job_id": job.job_id, "completion_tokens": len(completion.tokens),
+                                "cached_tokens": completion.cached_tokens,
+                                "seconds": round(completion.finished_at - completion.started_at, 3)})
+        return Outcome("done", job.job_id)
+
+    def _result(self, job: JobRequest, c: Completion) -> JobResult:
+        current = self.store.get(job.job_id)
+        timings = current.timings if current is not None else Timings(queued_at=job.submitted_at)
+        return JobResult(
+            job_id=job.job_id, status=JobState.DONE, tenant=job.tenant, priority=job.priority,
+            text=c.text, tokens=c.tokens, finish_reason=c.finish_reason,
+            usage=Usage(prompt_tokens=c.prompt_tokens, completion_tokens=len(c.tokens), cached_tokens=c.cached_tokens),
+            timings=msgspec.structs.replace(timings, started_at=c.started_at, first_token_at=c.first_token_at,
+                                            finished_at=c.finished_at),
+        )

@@ -1,0 +1,82 @@
+"""`kvfleet-worker`: one process, one model, one engine, many Celery task threads.
+
+Bootstrap, top to bottom: settings → model (loaded once) → engine (its step loop in a
+background thread) → job runner → heartbeat → metrics endpoint → Celery worker loop
+(thread pool, high/normal/low queues in priority order). Celery's warm shutdown on
+SIGTERM lets running jobs finish; on SIGKILL their tasks stay unacknowledged and are
+redelivered after the visibility timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+import redis
+from prometheus_client import start_http_server
+
+from kvfleet import constants, logs
+from kvfleet.contracts import WorkerHeartbeat
+from kvfleet.jobstore import JobStore
+from kvfleet.logs import now
+from kvfleet.settings import Settings
+from workers.celery_app import make_celery
+from workers.engine import Engine, EngineConfig
+from workers.heartbeat import Heartbeat
+from workers.model.loader import load_model
+from workers.runner import JobRunner
+from workers.tasks import register
+
+log = logging.getLogger("kvfleet.worker")
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    logs.setup("worker", settings.log_level)
+    worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+    model = load_model(settings.model.source, device=settings.model.device, dtype=settings.model.dtype)
+    w = settings.worker
+    engine = Engine(model, EngineConfig(block_size=w.block_size, kv_memory_bytes=w.kv_memory_bytes,
+                                        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens))
+    concurrency = w.concurrency or w.max_num_seqs
+    log.info("model loaded", extra={"model": model.name, "device": str(model.device), "dtype": str(model.dtype),
+                                    "fingerprint": model.fingerprint,
+                                    "kv_capacity_tokens": engine.stats().capacity_tokens})
+
+    client = redis.Redis.from_url(settings.redis.url)
+    store = JobStore(client, settings.redis.keys)
+    runner = JobRunner(store, client, engine, model.tokenizer, worker_id=worker_id)
+
+    def snapshot() -> WorkerHeartbeat:
+        s = engine.stats()
+        return WorkerHeartbeat(worker_id=worker_id, model=model.name, fingerprint=model.fingerprint,
+                               capacity_tokens=s.capacity_tokens, tokens_in_use=s.tokens_in_use,
+                               running=s.running, waiting=s.waiting, ts=now())
+
+    heartbeat = Heartbeat(client, settings.redis.keys.worker(worker_id), snapshot)
+    heartbeat.start()
+    if settings.worker.metrics_port:
+        start_http_server(settings.worker.metrics_port)
+
+    app = make_celery(settings)
+    register(app, runner)
+    queues = ",".join(constants.all_celery_queues(settings.redis.key_prefix))
+    log.info("worker starting", extra={"worker_id": worker_id, "queues": queues,
+                                       "concurrency": concurrency})
+    try:
+        app.worker_main([
+            "worker", "--pool=threads", f"--concurrency={concurrency}",
+            "-Q", queues, "-n", f"{worker_id}@%h", f"--loglevel={settings.log_level}",
+            "--without-gossip", "--without-mingle",  # no chatter between workers we do not use
+        ])
+    finally:
+        heartbeat.stop()
+        engine.shutdown()
+        log.info("worker stopped", extra={"worker_id": worker_id})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""The one Celery task: run a job through this process's engine.
+
+The task body is a thin shell around `JobRunner.run`; the runner (built once per
+process by `workers.service`) owns the engine, the job store and the lease logic.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from prometheus_client import Counter
+
+from kvfleet import constants
+from workers.runner import JobRunner
+
+TASKS = Counter("kvfleet_worker_tasks", "Celery task deliveries by outcome", ["outcome"])
+
+
+def register(app: Celery, runner: JobRunner) -> None:
+    @app.task(name=constants.CELERY_TASK_NAME, acks_late=True, ignore_result=True)
+    def run_job(raw: dict) -> str:
+        outcome = runner.run(raw)
+        TASKS.labels(outcome.label).inc()
+        return outcome.label
