@@ -28,6 +28,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import redis
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvfleet.constants import Keys
 from kvstore import metrics
@@ -56,6 +58,18 @@ return 0
 class PrefixSource(str, Enum):
     COLD = "cold"  # in the cold tier (stored before, or by another worker): load() it
     BUILT = "built"  # this caller ran prefill()
+
+
+def connect(url: str, *, timeout_s: float = 1.0) -> redis.Redis:
+    """A client for the cold tier (settings.redis.cache_url) that fails fast.
+
+    load() runs on the engine's step thread: redis-py's default retries with backoff
+    would stall every running sequence for seconds while Redis is down, where a miss
+    only costs a recompute. One immediate retry covers a pooled connection that went
+    stale across a Redis restart.
+    """
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                retry=Retry(NoBackoff(), 1))
 
 
 def hash_id(block_hash: BlockHash) -> str:
@@ -87,7 +101,7 @@ class ColdTier:
         poll_s: float = 0.1,
         use_lock: bool = True,
     ) -> None:
-        """`client` is the cache instance (settings.redis.cache_url). `kv_caches` is the
+        """`client` is the cache instance, from connect(). `kv_caches` is the
         engine's pool, one (k_cache, v_cache) pair per layer; blocks are copied out of
         and into it by block id.
 

@@ -26,11 +26,12 @@ What one `schedule()` call does, in order:
    jobs behind them backfill.
 6. Shedding. A bronze job still waiting after `bronze_shed_after_s` is shed: under
    overload bronze goes first; other tiers only ever expire on their deadline.
-7. Backpressure, per Kafka partition (partitions are keyed by tenant). A partition
-   with a job buffered is paused while its class's buffer is full or the budget is
-   spent (the hold, or nothing buffered fits); every other partition keeps being read,
-   so each one's next job stays visible and a tenant stuck at its tier limit blocks
-   only its own partition, never the class.
+7. Backpressure, per Kafka partition (partitions are keyed by tenant). While the
+   budget is spent nothing leaves the buffer, so it fills: a class with `max_buffered`
+   jobs pauses every partition it holds a job from, and resumes them as admissions
+   (or expiries, sheds) bring it under. A partition with nothing buffered is never
+   paused, so each one's next job stays visible and a tenant stuck at its tier limit
+   blocks only its own partition, never the class.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ class Policy:
         ids = {j.job_id for j in admitted}
         self._take(lambda j: j.job_id in ids)
         shed = self._shed(now)
-        pause, resume = self._backpressure(room, holding)
+        pause, resume = self._backpressure()
         return Decision(
             admit=tuple(admitted),
             expire=tuple(Verdict(j, "deadline_passed", f"deadline passed {now - j.deadline:.1f} s before admission")
@@ -344,12 +345,9 @@ class Policy:
             self._buffer[p] = keep
         return taken
 
-    def _backpressure(self, room: Room, holding: Optional[PendingJob]) -> tuple[frozenset, frozenset]:
-        waiting = [j for b in self._buffer.values() for j in b]
-        spent = holding is not None or (
-            bool(waiting) and all(j.cost > room.free_for(j.tenant) for j in waiting))
+    def _backpressure(self) -> tuple[frozenset, frozenset]:
         full = {p for p, b in self._buffer.items() if len(b) >= self.config.max_buffered}
-        paused = frozenset((j.priority, j.partition) for j in waiting if spent or j.priority in full)
+        paused = frozenset((j.priority, j.partition) for p in full for j in self._buffer[p])
         pause, resume = paused - self._paused, self._paused - paused
         self._paused = paused
         return pause, resume

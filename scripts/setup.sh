@@ -31,7 +31,9 @@ stamp="$VENV/.kvfleet-deps"
 want="$(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing Python dependencies (torch is large; the first time takes a few minutes)"
-  "$VENV/bin/pip" install -q -e "$REPO[test,bench]"
+  if ! "$VENV/bin/pip" install -q -e "$REPO[test,bench]" > "$KVFLEET_HOME/pip.log" 2>&1; then
+    tail -40 "$KVFLEET_HOME/pip.log"; echo "[setup] pip install failed; full log: $KVFLEET_HOME/pip.log"; exit 1
+  fi
   echo "$want" > "$stamp"
 else
   # Dependencies are current; only point the kvfleet entry points at this checkout.

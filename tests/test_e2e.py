@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import msgspec
 import pytest
 
 from kvfleet.contracts import JobState, Sampling
@@ -84,3 +85,18 @@ def test_long_poll_returns_when_the_job_finishes(make_fleet):
         result = client.get(job_id, wait=30)
         assert result.status is JobState.DONE
         assert time.monotonic() - started < 25  # woken by the finish, not by the timeout
+
+
+def test_cli_submit_waits_and_prints_the_result(make_fleet):
+    import subprocess
+    import sys
+
+    fleet = make_fleet(workers=1)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvfleet.cli", "submit", "hello from the CLI", "--priority", "high",
+         "--tenant", "acme", "--max-new-tokens", "5", "--wait", "--json", "--url", fleet.url],
+        capture_output=True, text=True, timeout=120, env=fleet.env,
+    )
+    assert out.returncode == 0, out.stderr
+    result = msgspec.json.decode(out.stdout)
+    assert result["status"] == "done" and result["priority"] == "high" and len(result["tokens"]) == 5

@@ -7,13 +7,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import redis as redis_lib
 import torch
 from prometheus_client import REGISTRY
 
 from kvfleet.constants import Keys
 from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, HEADER, BlobCodec, KVLayout, Quant
-from kvstore.coldtier import ColdTier, PrefixSource
+from kvstore.coldtier import ColdTier, PrefixSource, connect
 from kvstore.hooks import ColdTierHooks
 
 # kvstore.blob silences this at import; pytest resets warning filters per test.
@@ -207,13 +206,16 @@ def test_hooks_spill_on_evict_and_fill_on_admit(make_tier):
     assert torch.equal(block_of(dst, 6), block_of(src, 0)) and torch.equal(block_of(dst, 5), block_of(src, 1))
 
 
-def test_admit_with_redis_down_is_a_miss_not_an_error(prefix):
-    down = redis_lib.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
-    tier = ColdTier(down, Keys(prefix), MODEL, make_pool())
+def test_redis_down_is_a_quick_miss_not_an_error(prefix):
+    before = metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="error")
+    tier = ColdTier(connect("redis://127.0.0.1:1/0"), Keys(prefix), MODEL, make_pool())  # nothing listens
     try:
         hooks = ColdTierHooks(tier)
+        started = time.perf_counter()
         assert hooks.on_admit([SimpleNamespace(block_hash=HASHES[0], block_id=0)]) == 0
+        assert time.perf_counter() - started < 1.0  # the engine's step thread is not held up
         hooks.on_evict(HASHES[0], (), None, 0)  # queued; the writer's failure is counted, not raised
         assert tier.flush(10)
+        assert metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="error") == before + 1
     finally:
         tier.close()

@@ -1,0 +1,74 @@
+"""Per-tenant tokens-per-minute quotas: one token bucket per tenant in Redis.
+
+`{prefix}:quota:{tenant}` is a hash {level, ts}: the tokens left at time `ts`. A take
+refills the bucket for the time since `ts` (up to its size), then takes all the tokens
+asked for or none, in one Lua script, so every API and scheduler replica shares one
+bucket per tenant and concurrent takes can never overdraw it.
+
+The API charges a job's cost (prompt + max_new_tokens) once, at submission; over quota
+it answers 429 with `Retry-After` = the time the bucket needs to refill the deficit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import redis
+
+from kvfleet.constants import Keys
+from scheduler.tenants import TenantDirectory
+
+# KEYS: bucket. ARGV: tokens, size, refill per second, now ('' = Redis time).
+# Returns {1|0, retry_after seconds as a string (Lua numbers would be cut to integers)}.
+_TAKE = """
+local now
+if ARGV[4] ~= '' then now = tonumber(ARGV[4]) else
+  local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+end
+local want, size, rate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local state = redis.call('HMGET', KEYS[1], 'level', 'ts')
+local level, ts = tonumber(state[1]), tonumber(state[2])
+if not level then level, ts = size, now end
+-- a caller whose clock is behind the last writer's must not drain the bucket backwards
+level = math.min(size, level + math.max(0, now - ts) * rate)
+ts = math.max(ts, now)
+local ok = 0
+local retry = (want - level) / rate
+if want <= level then
+  level = level - want
+  ok, retry = 1, 0
+end
+redis.call('HSET', KEYS[1], 'level', tostring(level), 'ts', tostring(ts))
+-- an idle bucket refills completely after (size - level) / rate: keep it until then
+redis.call('PEXPIRE', KEYS[1], math.ceil((size - level) / rate * 1000) + 1000)
+return {ok, tostring(retry)}
+"""
+
+
+class Take(NamedTuple):
+    allowed: bool
+    #: Seconds until the same take would succeed; 0 when allowed; math.inf when the
+    #: take is larger than the bucket and can never succeed (answer 413, not 429).
+    retry_after_s: float
+
+
+class Quotas:
+    def __init__(self, client: redis.Redis, keys: Keys, tenants: TenantDirectory) -> None:
+        self.client = client
+        self.keys = keys
+        self.tenants = tenants
+        self._take = client.register_script(_TAKE)
+
+    def try_take(self, tenant: str, tokens: int, now: Optional[float] = None) -> Take:
+        """Take `tokens` from the tenant's bucket, all or nothing."""
+        config = self.tenants[tenant]
+        if tokens <= 0:
+            raise ValueError(f"tokens must be > 0, got {tokens}")
+        if tokens > config.bucket_tokens:
+            return Take(False, math.inf)
+        ok, retry = self._take(
+            keys=[self.keys.quota(tenant)],
+            args=[tokens, config.bucket_tokens, repr(config.refill_per_s), "" if now is None else repr(now)],
+        )
+        return Take(bool(ok), float(retry))

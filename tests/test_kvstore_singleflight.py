@@ -1,0 +1,75 @@
+"""kvstore.singleflight: the races closed by looking again, with scripted lookups.
+
+Each scripted lookup plays what another caller did between two of our steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from kvstore.lock import Lease
+from kvstore.singleflight import NO_VALUE, Entry, SingleFlight
+
+
+def scripted(*answers):
+    it = iter(answers)
+    return lambda: next(it)
+
+
+def test_no_value_is_falsy_unique_and_not_none():
+    assert not NO_VALUE and NO_VALUE is not None
+    assert type(NO_VALUE)() is NO_VALUE
+    assert repr(NO_VALUE) == "NO_VALUE"
+
+
+def test_a_value_stored_just_before_we_took_the_lock_is_not_rebuilt(cache_client, prefix):
+    # Our first read missed; the previous holder stored and released before our acquire.
+    flight = SingleFlight(cache_client, name=prefix)
+    lookup = scripted(NO_VALUE, Entry("theirs", math.inf))
+    assert flight.run(f"{prefix}:lock", lookup, lambda: pytest.fail("built twice")) == "theirs"
+
+
+def test_a_refresh_finished_just_before_we_took_the_lock_is_not_redone(cache_client, prefix):
+    stale = Entry("old", time.time() - 1)
+    flight = SingleFlight(cache_client, name=prefix, early_refresh_beta=0.0)
+    lookup = scripted(stale, Entry("refreshed", time.time() + 60))
+    assert flight.run(f"{prefix}:lock", lookup, lambda: pytest.fail("refreshed twice")) == "refreshed"
+
+
+def test_a_stale_entry_still_stale_under_the_lock_is_rebuilt(cache_client, prefix):
+    stale = Entry("old", time.time() - 1)
+    flight = SingleFlight(cache_client, name=prefix, early_refresh_beta=0.0)
+    assert flight.run(f"{prefix}:lock", scripted(stale, stale), lambda: "new") == "new"
+    assert not cache_client.exists(f"{prefix}:lock")  # released in finally
+
+
+def test_the_lock_is_released_when_the_build_raises(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix)
+
+    def boom():
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        flight.run(f"{prefix}:lock", scripted(NO_VALUE, NO_VALUE), boom)
+    assert not cache_client.exists(f"{prefix}:lock")
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError):
+        SingleFlight(None, lock_ttl_s=0)
+
+
+def test_a_waiter_looks_again_once_subscribed(cache_client, prefix):
+    # The holder stored and published between our failed acquire and our SUBSCRIBE:
+    # no message will come, but the value is there.
+    holder = Lease(cache_client, f"{prefix}:lock", 10_000)
+    assert holder.acquire()
+    flight = SingleFlight(cache_client, name=prefix, poll_s=5.0)
+    started = time.perf_counter()
+    lookup = scripted(NO_VALUE, Entry("theirs", math.inf))
+    assert flight.run(f"{prefix}:lock", lookup, lambda: pytest.fail("built")) == "theirs"
+    assert time.perf_counter() - started < 1.0
+    holder.release()

@@ -1,0 +1,173 @@
+"""The admission policy's rules, one by one, with plain budgets and a virtual clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.contracts import Priority
+from scheduler.baselines import StrictPriorityPolicy
+from scheduler.policy import Budget, ClassConfig, PendingJob, Policy, PolicyConfig
+from scheduler.simulator import ServiceModel, simulate
+from scheduler.tenants import Tenant, Tier
+
+HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
+ONE_SECOND = ServiceModel(floor_s=1.0, prefill_s_per_token=0.0, decode_s_per_token=0.0)
+
+
+def job(job_id: str, priority: Priority, cost: int, t: float = 0.0, *, tenant: str = "acme",
+        tier: Tier = Tier.SILVER, deadline: float | None = None, partition: int = 0) -> PendingJob:
+    return PendingJob(job_id, tenant, tier, priority, prompt_tokens=cost - 1, max_new_tokens=1,
+                      enqueued_at=t, deadline=deadline, partition=partition)
+
+
+def ids(jobs) -> list[str]:
+    return [j.job_id for j in jobs]
+
+
+def test_high_is_admitted_first_under_contention():
+    policy = Policy()
+    for j in (job("low", LOW, 1000, 0.0), job("normal", NORMAL, 1000, 0.0), job("high", HIGH, 1000, 1.0)):
+        policy.add(j)
+    decision = policy.schedule(2.0, Budget(capacity=10_000, in_use=8_500))
+    assert ids(decision.admit) == ["high"]
+    assert policy.pending() == 2
+
+
+def test_class_share_is_kept_under_contention():
+    # High is over its 60% share and normal under its 30%: normal's job goes first.
+    policy = Policy()
+    policy.add(job("high", HIGH, 1000, 0.0))
+    policy.add(job("normal", NORMAL, 1000, 5.0))
+    budget = Budget(10_000, 9_000, class_in_use={HIGH: 7_000, NORMAL: 2_000})
+    assert ids(policy.schedule(6.0, budget).admit) == ["normal"]
+
+
+def _saturating_high_stream(until: float) -> list[PendingJob]:
+    """12 high jobs of 1000 tokens per second: 120% of a 10k-token fleet of 1 s jobs."""
+    return [job(f"h{i:05d}", HIGH, 1000, i / 12) for i in range(int(until * 12))]
+
+
+def test_low_wait_is_bounded_under_sustained_high_load():
+    # No share for low: only the hard aging bound can get it in. (silver_burst=1: the
+    # one tenant may fill the fleet.)
+    config = PolicyConfig(high=ClassConfig(1.0, 30.0, 0.0), normal=ClassConfig(0.0, 60.0, 5.0),
+                          low=ClassConfig(0.0, 20.0, 10.0), silver_burst=1.0)
+    jobs = _saturating_high_stream(120.0) + [job("low", LOW, 1000, 5.0)]
+    result = simulate(Policy(config), jobs, capacity=10_000, service=ONE_SECOND)
+    low = next(r for r in result.records if r.job.job_id == "low")
+    # It goes first at 20 s; tokens free within one 1-second job.
+    assert low.outcome == "done" and 20.0 <= low.wait <= 20.0 + 1.0 + 0.1
+
+    strict = simulate(StrictPriorityPolicy(config), jobs, capacity=10_000, service=ONE_SECOND)
+    starved = next(r for r in strict.records if r.job.job_id == "low")
+    assert starved.wait > 100.0  # served only after the high stream ends
+
+
+def _long_job_wait(reserve_after_s: float) -> float:
+    config = PolicyConfig(base_ceiling_tokens=8192, normal=ClassConfig(0.3, 1000.0, reserve_after_s),
+                          silver_burst=1.0)
+    shorts = [job(f"s{i:05d}", NORMAL, 1000, i / 12) for i in range(12 * 60)]
+    jobs = shorts + [job("long", NORMAL, 8000, 1.0)]
+    result = simulate(Policy(config), jobs, capacity=10_000, service=ONE_SECOND)
+    return next(r for r in result.records if r.job.job_id == "long").wait
+
+
+def test_long_job_is_not_starved_by_a_stream_of_short_ones():
+    # Held after 5 s of waiting: the next second's releases accumulate for it.
+    assert _long_job_wait(reserve_after_s=5.0) <= 5.0 + 1.0 + 0.1
+    # Without the hold, the short jobs take every freed token until their stream ends.
+    assert _long_job_wait(reserve_after_s=1000.0) > 55.0
+
+
+def test_over_ceiling_is_rejected_with_reason():
+    policy = Policy(PolicyConfig(base_ceiling_tokens=4096))
+    policy.add(job("big-low", LOW, 1025))
+    policy.add(job("max-high", HIGH, 8192))
+    decision = policy.schedule(0.0, Budget(100_000, 0))
+    assert ids(decision.admit) == ["max-high"]
+    (verdict,) = decision.reject
+    assert verdict.job.job_id == "big-low" and verdict.code == "too_many_tokens"
+    assert "1025 tokens" in verdict.message and "low ceiling is 1024" in verdict.message
+    assert "normal 4096" in verdict.message  # says where it would fit
+
+
+def test_gold_reserve_is_kept_for_the_gold_tenant():
+    tenants = {"gold": Tenant(name="gold", tier=Tier.GOLD, tokens_per_minute=1, share=0.2)}
+    policy = Policy(PolicyConfig(silver_burst=1.0), tenants)
+    policy.add(job("silver", NORMAL, 1000, 0.0, tenant="silver"))
+    budget = Budget(10_000, 7_500, tenant_in_use={"silver": 7_500})
+    # 2,500 free, but 2,000 of it is gold's: the silver job does not fit.
+    assert policy.schedule(1.0, budget).admit == ()
+    policy.add(job("gold", NORMAL, 1_500, 1.0, tenant="gold", tier=Tier.GOLD))
+    assert ids(policy.schedule(1.1, budget).admit) == ["gold"]
+
+
+def test_bronze_hits_its_hard_limit_while_others_run():
+    policy = Policy(PolicyConfig(bronze_limit=0.2))
+    policy.add(job("bronze", NORMAL, 1000, 0.0, tenant="cheap", tier=Tier.BRONZE))
+    policy.add(job("silver", NORMAL, 1000, 0.0, tenant="acme"))
+    budget = Budget(10_000, 1_500, tenant_in_use={"cheap": 1_500})
+    assert ids(policy.schedule(0.1, budget).admit) == ["silver"]
+
+
+def test_bronze_is_shed_first_under_overload():
+    policy = Policy(PolicyConfig(bronze_shed_after_s=30.0))
+    policy.add(job("bronze", NORMAL, 1000, 0.0, tenant="cheap", tier=Tier.BRONZE))
+    policy.add(job("silver", NORMAL, 1000, 0.0, tenant="acme"))
+    full = Budget(10_000, 10_000)
+    assert policy.schedule(29.0, full).shed == ()
+    decision = policy.schedule(30.0, full)
+    assert ids(v.job for v in decision.shed) == ["bronze"] and decision.shed[0].code == "overloaded"
+    assert policy.pending() == 1  # silver keeps waiting: only deadlines end it
+
+
+def test_expired_jobs_leave_with_their_reason():
+    policy = Policy()
+    policy.add(job("late", NORMAL, 100, 0.0, deadline=5.0))
+    decision = policy.schedule(6.0, Budget(10_000, 10_000))
+    assert ids(v.job for v in decision.expire) == ["late"] and decision.expire[0].code == "deadline_passed"
+
+
+def test_pause_when_budget_spent_and_resume_as_it_frees():
+    policy = Policy(PolicyConfig(max_buffered=2))
+    policy.add(job("a", NORMAL, 1000, 0.0, partition=3))
+    policy.add(job("b", NORMAL, 1000, 0.0, partition=4))
+    spent = policy.schedule(0.0, Budget(10_000, 9_500))
+    assert spent.admit == () and spent.pause == {(NORMAL, 3), (NORMAL, 4)}
+    assert policy.paused == {(NORMAL, 3), (NORMAL, 4)}
+    freed = policy.schedule(1.0, Budget(10_000, 8_500))
+    assert ids(freed.admit) == ["a"] and freed.resume == {(NORMAL, 3), (NORMAL, 4)}
+    assert policy.paused == frozenset()
+
+
+def test_a_tenant_at_its_limit_pauses_only_its_own_partition():
+    policy = Policy(PolicyConfig(max_buffered=2, bronze_limit=0.1))
+    for i in range(2):
+        policy.add(job(f"b{i}", LOW, 500, 0.0, tenant="cheap", tier=Tier.BRONZE, partition=1))
+    budget = Budget(10_000, 1_000, tenant_in_use={"cheap": 1_000})
+    decision = policy.schedule(1.0, budget)
+    assert decision.admit == () and decision.pause == {(LOW, 1)}
+    # Partition 2 was never paused, so its next job arrives and runs on the free budget.
+    policy.add(job("s", LOW, 500, 1.0, partition=2))
+    assert ids(policy.schedule(1.1, budget).admit) == ["s"]
+
+
+def test_requeued_job_keeps_its_place():
+    policy = Policy()
+    first, second = job("first", NORMAL, 1000, 0.0), job("second", NORMAL, 1000, 1.0)
+    policy.add(second)
+    policy.requeue(first)  # lost a ledger race: admitted, then handed back
+    assert ids(policy.schedule(2.0, Budget(10_000, 9_000)).admit) == ["first"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(high=ClassConfig(0.8, 30.0, 0.0)), "class shares sum to 1.20"),
+    (dict(base_ceiling_tokens=2), "base_ceiling_tokens=2"),
+    (dict(low=ClassConfig(0.1, 10.0, 20.0)), "low.reserve_after_s=20.0"),
+    (dict(aging_s=0.0), "aging_s=0.0"),
+    (dict(bronze_limit=1.5), "bronze_limit=1.5"),
+    (dict(max_buffered=0), "max_buffered=0"),
+])
+def test_config_is_validated(changes, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**changes)
