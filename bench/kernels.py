@@ -102,12 +102,12 @@ def timer(cuda: bool, quick: bool) -> Callable[[Callable[[], object]], float]:
 
 
 def run(row: Row, fn: Callable[[], object], check: Callable[[object], float], tol: float,
-        time_ms: Callable, nbytes: int) -> Row:
+        time_ms: Callable, nbytes: int, *, measure: str = "max abs error") -> Row:
     """Check fn once against the reference, then time it; failures land in the row."""
     try:
         row.max_err = check(fn())
         if not row.max_err <= tol:  # also catches NaN
-            row.error = f"max abs error {row.max_err:.3g} > {tol:g}"
+            row.error = f"{measure} {row.max_err:.3g} > {tol:g}"
         row.ms = time_ms(fn)
         row.gbps = nbytes / row.ms / 1e6
     except Exception as e:  # a compile or launch failure is a result, not a crash
@@ -156,11 +156,12 @@ def bench_quant_and_store(cuda: bool, quick: bool, time_ms: Callable) -> list[Ro
                 return float((out[0] != q_ref).sum() + (out[1] != s_ref).sum())
 
             rows.append(run(Row("quantize_int8", label, name), lambda f=quant: f(x), q_check, 0,
-                            time_ms, nbytes))
+                            time_ms, nbytes, measure="values differing"))
             d_ref = reference.dequantize_int8(q_ref, s_ref, torch.bfloat16)
             rows.append(run(Row("dequantize_int8", label, name),
                             lambda f=dequant: f(q_ref, s_ref, torch.bfloat16),
-                            lambda out: float((out != d_ref).sum()), 0, time_ms, nbytes))
+                            lambda out: float((out != d_ref).sum()), 0, time_ms, nbytes,
+                            measure="values differing"))
 
     for tokens in (64, 4096):  # a decode step of 64 sequences; a prefill chunk
         kv = torch.randn(2, tokens, HKV, HEAD_DIM, device="cuda").bfloat16()
@@ -174,7 +175,8 @@ def bench_quant_and_store(cuda: bool, quick: bool, time_ms: Callable) -> list[Ro
             caches = [torch.zeros_like(want[0]) for _ in range(2)]
             check = lambda _, c=caches: float((c[0] != want[0]).sum() + (c[1] != want[1]).sum())  # noqa: E731
             rows.append(run(Row("store_kvcache", f"{tokens} tokens", name),
-                            lambda f=store, c=caches: f(kv[0], kv[1], *c, slots), check, 0, time_ms, nbytes))
+                            lambda f=store, c=caches: f(kv[0], kv[1], *c, slots), check, 0, time_ms, nbytes,
+                            measure="values differing"))
     return rows
 
 

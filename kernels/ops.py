@@ -119,7 +119,7 @@ def set_backend(name: str) -> None:
 
 
 def backend() -> str:
-    """"triton" or "torch": what runs CUDA tensors (in auto mode CPU tensors use torch)."""
+    """The active backend, "triton" or "torch" (under auto, CPU tensors still use torch)."""
     return _impl.name
 
 
@@ -131,7 +131,7 @@ def set_attention(name: str) -> None:
 
 
 def attention() -> str:
-    """"paged" or "sdpa"."""
+    """The active attention path, "paged" or "sdpa"."""
     return _attention_name
 
 

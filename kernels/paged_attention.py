@@ -201,7 +201,7 @@ def paged_attention(
     if num_splits is None:
         num_splits = _num_splits(b * hkv, max_ctx, block_n) if max_q_len == 1 else 1
     # Every split but the last is a whole number of key steps.
-    split_len = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
+    split_len = triton.cdiv(triton.cdiv(max(max_ctx, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_ctx, split_len)
     if num_splits > 1:
         part = torch.empty(t, hq, num_splits, block_d, dtype=torch.float32, device=q.device)

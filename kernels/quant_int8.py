@@ -1,6 +1,6 @@
 """Triton INT8 quantize/dequantize of K/V rows with one fp32 scale per row of D values.
 
-Same semantics as the reference, bit for bit: the scale is absmax / 127 (at least 1e-8)
+Same semantics as the reference, bit for bit: the scale is absmax * (1/127) (at least 1e-8)
 and values round half to even, as torch.round does. A program handles ROWS rows so a
 launch over a few thousand (token, head) rows is not a few thousand tiny programs.
 """
@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kernels.launch import check_device, head_block
 
+INV_127 = tl.constexpr(1.0 / 127.0)  # rounded to fp32 in the kernel, as torch rounds it
 ROW_TILE = 4096  # elements per program: ROWS * BLOCK_D, a few KiB of registers
 
 
@@ -37,11 +38,11 @@ def _quantize_kernel(
     mask = (r[:, None] < n_rows) & (d[None, :] < head_dim)  # (ROWS, BLOCK_D)
     offs = r[:, None].to(tl.int64) * head_dim + d[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # div_rn: IEEE division, as torch does; the default GPU division is approximate
-    # and would move values that sit at a rounding boundary.
     # Masked lanes load 0, so they never raise the absmax.
     absmax = tl.max(tl.abs(x), axis=1)  # (ROWS,)
-    scale = tl.maximum(tl.math.div_rn(absmax, tl.full(absmax.shape, 127.0, tl.float32)), 1e-8)
+    scale = tl.maximum(absmax * INV_127, 1e-8)  # (ROWS,), the reference's fp32 product
+    # div_rn: IEEE division, as torch does; the default GPU division is approximate
+    # and would move values that sit at a rounding boundary.
     y = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)

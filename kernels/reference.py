@@ -95,7 +95,9 @@ def quantize_int8(
     """
     xf = x.float()
     absmax = xf.abs().amax(dim=-1)  # (...,)
-    scale = (absmax / 127.0).clamp_min(1e-8)  # an all-zero row keeps scale > 0
+    # Times the reciprocal, not / 127: torch divides by a scalar exactly on CPU but as
+    # a multiply by its reciprocal on CUDA, so the division gave device-dependent scales.
+    scale = (absmax * (1.0 / 127.0)).clamp_min(1e-8)  # an all-zero row keeps scale > 0
     q = torch.round(xf / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return q, scale
 

@@ -10,7 +10,7 @@ is collected only there (its `__test__` flag). Run the child's tests alone with
 
 Tolerances (max abs error vs the reference, which computes in fp32):
   store_kvcache            exact (a copy)
-  quantize_int8            exact int8 values and fp32 scales
+  quantize_int8            exact int8 values and fp32 scales (on CUDA too: bench/kernels.py)
   dequantize_int8          exact; bf16 output within 1 bf16 ulp, because the
                            interpreter rounds fp32->bf16 toward zero where the GPU
                            rounds to nearest even
@@ -136,6 +136,38 @@ def test_ops_forced_triton_fails_clearly_without_gpu(ops, monkeypatch) -> None:
 # ---------------------------------------------------------------------------- child side
 
 
+@pytest.fixture(scope="module")
+def interpreter_runs_loops() -> None:
+    """Fail every test with the cause when this interpreter cannot run the kernels.
+
+    triton <= 3.6 under numpy >= 2.4 cannot take a loop bound that is not a
+    constexpr (triton-lang/triton#9171), which paged attention needs.
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count_steps(out_ptr, n):
+        steps = 0
+        for _ in range(0, n):
+            steps += 1
+        tl.store(out_ptr, steps)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        count_steps[(1,)](out, 3)
+    except Exception as e:
+        import numpy
+
+        raise RuntimeError(
+            f"the interpreter of triton {triton.__version__} with numpy {numpy.__version__} "
+            "cannot run loops with runtime bounds (triton-lang/triton#9171); "
+            "use a newer triton (3.9 works) or numpy < 2.4"
+        ) from e
+    assert out.item() == 3
+
+
+@pytest.mark.usefixtures("interpreter_runs_loops")
 class TestUnderInterpreter:
     __test__ = INTERPRET
 
