@@ -1,8 +1,9 @@
 """The fleet's capacity: the KV tokens of every worker that is alive right now.
 
-Each worker writes a `WorkerHeartbeat` to `{prefix}:worker:{worker_id}` every third of
-WORKER_HEARTBEAT_TTL_S with that TTL, so a worker that stops heartbeating (crashed,
-partitioned, stopped) drops out of the sum within the TTL, with no cleanup needed.
+Each worker writes a `kvfleet.contracts.WorkerHeartbeat` (JSON) to
+`{prefix}:worker:{worker_id}` every third of WORKER_HEARTBEAT_TTL_S with that TTL
+(`workers/heartbeat.py`), so a worker that stops heartbeating (crashed, partitioned,
+stopped) drops out of the sum within the TTL, with no cleanup needed.
 """
 
 from __future__ import annotations
@@ -14,34 +15,11 @@ from typing import Callable, Optional
 import msgspec
 import redis
 
-from kvfleet import constants
 from kvfleet.constants import Keys
-from kvfleet.contracts import SCHEMA_VERSION
+from kvfleet.contracts import WorkerHeartbeat
 
 log = logging.getLogger(__name__)
-
-
-class WorkerHeartbeat(msgspec.Struct, frozen=True):
-    """A worker's state, as JSON in its heartbeat key."""
-
-    worker_id: str
-    #: KV tokens the worker's engine can hold (its block pool × block size).
-    capacity_tokens: int
-    tokens_in_use: int
-    running: int  # sequences in the engine's running batch
-    waiting: int  # jobs accepted but not yet in the batch
-    sent_at: float  # unix seconds
-    v: int = SCHEMA_VERSION
-
-
-_encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(WorkerHeartbeat)
-
-
-def publish_heartbeat(client: redis.Redis, keys: Keys, beat: WorkerHeartbeat, *,
-                      ttl_s: float = constants.WORKER_HEARTBEAT_TTL_S) -> None:
-    """What a worker calls every ttl_s / 3."""
-    client.set(keys.worker(beat.worker_id), _encoder.encode(beat), px=int(ttl_s * 1000))
 
 
 class FleetCapacity:

@@ -40,7 +40,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from kvfleet.contracts import Priority
+from kvfleet.contracts import JobRequest, Priority
 from scheduler.tenants import Tenant, Tier
 
 #: Per-request token ceilings relative to the configured base (fixed by the design).
@@ -65,10 +65,9 @@ class PolicyConfig:
     #: Seconds of waiting worth one priority class when borrowing (level 2): a low job
     #: that waited 2 × aging_s ranks with a fresh high one.
     aging_s: float = 20.0
-    # High holds the line at once (reserve_after_s=0): a high job is never overtaken
-    # by smaller jobs of its own or lower classes. Its 60% share is what it may fill
-    # before other classes' shares come first.
-    high: ClassConfig = ClassConfig(share=0.6, max_wait_s=30.0, reserve_after_s=0.0)
+    # A high job lets smaller jobs pass it for at most a second, then holds the line.
+    # Its 60% share is what it may fill before other classes' shares come first.
+    high: ClassConfig = ClassConfig(share=0.6, max_wait_s=30.0, reserve_after_s=1.0)
     normal: ClassConfig = ClassConfig(share=0.3, max_wait_s=90.0, reserve_after_s=5.0)
     low: ClassConfig = ClassConfig(share=0.1, max_wait_s=180.0, reserve_after_s=10.0)
     #: Default gold reserve per gold tenant, fraction of the budget (Tenant.share overrides).
@@ -132,6 +131,12 @@ class PendingJob:
     def cost(self) -> int:
         """KV tokens the job can hold at its peak: what the ledger reserves."""
         return self.prompt_tokens + self.max_new_tokens
+
+    @classmethod
+    def from_request(cls, request: JobRequest, *, prompt_tokens: int, tier: Tier, partition: int) -> "PendingJob":
+        """`prompt_tokens` is the prompt's length in tokens (the text prompt tokenized)."""
+        return cls(request.job_id, request.tenant, tier, request.priority, prompt_tokens, request.max_new_tokens,
+                   request.submitted_at, request.deadline, partition)
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,7 @@ class Policy:
         self._buffer[job.priority].append(job)
 
     def schedule(self, now: float, budget: Budget) -> Decision:
+        """Decide what leaves the buffer now; the admitted are removed, in admission order."""
         rejected, self._rejected = tuple(self._rejected), []
         expired = self._take(lambda j: j.deadline is not None and j.deadline <= now)
         room = Room(budget, self._reserves(budget.capacity))
@@ -319,8 +325,8 @@ class Policy:
     def _shed(self, now: float) -> tuple[Verdict, ...]:
         limit = self.config.bronze_shed_after_s
         shed = self._take(lambda j: j.tier is Tier.BRONZE and now - j.enqueued_at >= limit)
-        return tuple(Verdict(j, "overloaded", f"fleet overloaded: bronze job shed after waiting {now - j.enqueued_at:.1f} s; "
-                             "retry later") for j in shed)
+        return tuple(Verdict(j, "overloaded", f"fleet overloaded: bronze job shed after waiting "
+                             f"{now - j.enqueued_at:.1f} s; retry later") for j in shed)
 
     def _share(self, tenant: str, tier: Tier) -> float:
         known = self.tenants.get(tenant)

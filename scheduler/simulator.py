@@ -1,7 +1,7 @@
 """Replays a workload through an admission policy with a virtual clock.
 
 The fleet is modelled as its token budget: a job holds `cost` tokens from admission
-until it finishes, `ServiceModel.seconds(job)` later (a floor plus time per prompt and
+until it finishes, `ServiceModel.seconds()` later (a floor plus time per prompt and
 per generated token; a job's speed does not depend on what else runs). Each priority
 topic has one partition per tenant (Kafka keys by tenant), read round-robin into the
 policy's buffer unless the policy paused it. Every `tick_s` the loop does what the
@@ -34,8 +34,8 @@ class ServiceModel:
     prefill_s_per_token: float = 1e-4
     decode_s_per_token: float = 0.015
 
-    def seconds(self, job: PendingJob) -> float:
-        return self.floor_s + job.prompt_tokens * self.prefill_s_per_token + job.max_new_tokens * self.decode_s_per_token
+    def seconds(self, prompt_tokens: int, max_new_tokens: int) -> float:
+        return self.floor_s + prompt_tokens * self.prefill_s_per_token + max_new_tokens * self.decode_s_per_token
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,12 @@ class Workload:
     context_limit: int = 8192
     phases: tuple[Phase, ...] = (Phase(0, 30, 0.5), Phase(30, 40, 5.0), Phase(40, 120, 0.5))
     tenants: tuple[SimTenant, ...] = (
-        SimTenant("gold-co", Tier.GOLD, 0.25),
-        SimTenant("silver-co", Tier.SILVER, 0.40),
-        SimTenant("bronze-co", Tier.BRONZE, 0.35),
+        SimTenant("gold-co", Tier.GOLD, 0.30),
+        SimTenant("silver-co", Tier.SILVER, 0.45),
+        SimTenant("bronze-co", Tier.BRONZE, 0.25),
     )
-    mix: tuple[tuple[Priority, float], ...] = ((Priority.HIGH, 0.15), (Priority.NORMAL, 0.50), (Priority.LOW, 0.35))
+    #: Share of jobs per class: high is the interactive premium traffic.
+    mix: tuple[tuple[Priority, float], ...] = ((Priority.HIGH, 0.10), (Priority.NORMAL, 0.50), (Priority.LOW, 0.40))
     #: Class ceilings the generator keeps to, except for `oversize` of the jobs.
     ceilings: tuple[tuple[Priority, int], ...] = ((Priority.HIGH, 8192), (Priority.NORMAL, 4096), (Priority.LOW, 1024))
     oversize: float = 0.01
@@ -94,7 +95,7 @@ def make_jobs(w: Workload) -> list[PendingJob]:
     """Poisson arrivals per phase, at the rate that offers `load` × the fleet's capacity."""
     probe = random.Random(w.seed ^ 0x5EED)
     sample = [_shape(probe, w) for _ in range(20_000)]
-    mean_token_s = sum((p + n) * w.service.seconds(_probe_job(p, n)) for _, _, p, n in sample) / len(sample)
+    mean_token_s = sum((p + n) * w.service.seconds(p, n) for _, _, p, n in sample) / len(sample)
     rng = random.Random(w.seed)
     jobs: list[PendingJob] = []
     partition = {t.name: k for k, t in enumerate(w.tenants)}
@@ -109,10 +110,6 @@ def make_jobs(w: Workload) -> list[PendingJob]:
                 partition=partition[tenant.name]))
             t += rng.expovariate(rate)
     return jobs
-
-
-def _probe_job(prompt: int, max_new: int) -> PendingJob:
-    return PendingJob("probe", "probe", Tier.SILVER, Priority.NORMAL, prompt, max_new, 0.0)
 
 
 @dataclass
@@ -212,7 +209,7 @@ def simulate(policy: Policy, jobs: list[PendingJob], *, capacity: int, service: 
                 policy.add(job)
         decision = policy.schedule(now, fleet.budget())
         for job in decision.admit:
-            finish = now + service.seconds(job)
+            finish = now + service.seconds(job.prompt_tokens, job.max_new_tokens)
             fleet.start(job, finish)
             records[job.job_id].admitted_at, records[job.job_id].finished_at = now, finish
             records[job.job_id].outcome = "done"

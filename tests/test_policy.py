@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.contracts import Priority
+from kvfleet.contracts import JobRequest, Priority
 from scheduler.baselines import StrictPriorityPolicy
 from scheduler.policy import Budget, ClassConfig, PendingJob, Policy, PolicyConfig
 from scheduler.simulator import ServiceModel, simulate
@@ -171,3 +171,11 @@ def test_requeued_job_keeps_its_place():
 def test_config_is_validated(changes, message):
     with pytest.raises(ValueError, match=message):
         PolicyConfig(**changes)
+
+
+def test_pending_job_from_a_request():
+    request = JobRequest(job_id="j1", tenant="acme", priority=HIGH, model="m", max_new_tokens=100,
+                         submitted_at=12.5, deadline=99.0, prompt="hello")
+    pending = PendingJob.from_request(request, prompt_tokens=3, tier=Tier.GOLD, partition=4)
+    assert (pending.cost, pending.enqueued_at, pending.deadline, pending.partition) == (103, 12.5, 99.0, 4)
+    assert (pending.job_id, pending.tenant, pending.tier, pending.priority) == ("j1", "acme", Tier.GOLD, HIGH)

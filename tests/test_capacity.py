@@ -1,0 +1,48 @@
+"""Fleet capacity from live worker heartbeats on the real Redis."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from kvfleet.constants import Keys
+from kvfleet.contracts import WorkerHeartbeat
+from scheduler.capacity import FleetCapacity
+
+
+def publish_heartbeat(client, keys: Keys, worker_id: str, capacity: int, *, ttl_s: float = 10.0) -> None:
+    """What workers/heartbeat.py writes."""
+    beat = WorkerHeartbeat(worker_id=worker_id, model="builtin:tiny", fingerprint="f", capacity_tokens=capacity,
+                           tokens_in_use=0, running=0, waiting=0, ts=time.time())
+    client.set(keys.worker(worker_id), msgspec.json.encode(beat), px=int(ttl_s * 1000))
+
+
+def test_sums_live_workers_and_drops_silent_ones(redis_client, prefix):
+    keys = Keys(prefix)
+    publish_heartbeat(redis_client, keys, "w1", 32_768)
+    publish_heartbeat(redis_client, keys, "w2", 16_384, ttl_s=0.3)  # about to go silent
+    capacity = FleetCapacity(redis_client, keys, cache_s=0.0)
+    assert capacity.read() == 49_152
+    assert sorted(b.worker_id for b in capacity.heartbeats()) == ["w1", "w2"]
+    time.sleep(0.4)
+    assert capacity.read() == 32_768
+
+
+def test_ceiling_caps_and_malformed_beats_are_skipped(redis_client, prefix):
+    keys = Keys(prefix)
+    publish_heartbeat(redis_client, keys, "w1", 32_768)
+    redis_client.set(keys.worker("broken"), b'{"worker_id": "broken"}', px=10_000)
+    assert FleetCapacity(redis_client, keys, cache_s=0.0).read() == 32_768
+    assert FleetCapacity(redis_client, keys, ceiling_tokens=20_000, cache_s=0.0).read() == 20_000
+
+
+def test_reads_are_cached_for_cache_s(redis_client, prefix):
+    keys, now = Keys(prefix), [0.0]
+    capacity = FleetCapacity(redis_client, keys, cache_s=1.0, clock=lambda: now[0])
+    assert capacity.read() == 0
+    publish_heartbeat(redis_client, keys, "w1", 32_768)
+    now[0] = 0.5
+    assert capacity.read() == 0  # within cache_s: the earlier sum
+    now[0] = 1.0
+    assert capacity.read() == 32_768
