@@ -9,6 +9,7 @@ Modules, from the bottom up (each imports only those above it):
     envelope     the value cache's stored format
     cache        Cache: values in Redis behind SingleFlight
     blob         KVLayout, BlobCodec: the KV block format, validated on read
+    buffers      BufferPool: reused wire buffers (a fresh 2 MiB one costs ~1 ms)
     spill        SpillQueue: bounded background writer, batched, drops when full
     coldtier     ColdTier: spill evicted blocks, load prefixes, build a prefix once
     hooks        ColdTierHooks: the cold tier as the engine's on_evict / on_admit

@@ -42,10 +42,8 @@ import torch
 
 from kvstore.errors import BlobError
 
-try:  # the kernels engineer's fast path, same contract as the reference
-    from kernels.ops import dequantize_int8, quantize_int8
-except ImportError:  # pragma: no cover - kernels.ops not present in this checkout
-    from kernels.reference import dequantize_int8, quantize_int8
+# Triton on CUDA tensors, the torch reference on CPU ones (kernels.ops decides).
+from kernels.ops import dequantize_int8, quantize_int8
 
 # Blobs read from Redis are immutable `bytes`; torch.frombuffer warns that it cannot
 # make them writable. We only ever read through these views (copy_ out of them).
@@ -149,21 +147,26 @@ class BlobCodec:
         self._model_digest = digest(model_fingerprint)
 
     # --- write ----------------------------------------------------------------------
-    def new_buffer(self) -> tuple[bytearray, torch.Tensor]:
-        """A buffer with room for the header and an unquantized payload, and a
-        (L, 2, BS, Hkv, D) tensor over its payload to copy the block into: the one copy
-        out of the pool, straight into the bytes that go on the wire."""
+    @property
+    def raw_nbytes(self) -> int:
+        """Size of a buffer to copy a block into: the header and an unquantized payload."""
+        return HEADER.size + self.layout.payload_nbytes(Quant.NONE)
+
+    def payload(self, buf: bytearray) -> torch.Tensor:  # (L, 2, BS, Hkv, D)
+        """A tensor over the payload of `buf` (raw_nbytes long), to copy a block into: the
+        one copy out of the pool goes straight into the bytes that go on the wire."""
         lay = self.layout
-        buf = bytearray(HEADER.size + lay.payload_nbytes(Quant.NONE))
-        kv = torch.frombuffer(buf, dtype=lay.dtype, count=lay.numel, offset=HEADER.size).view(lay.shape)
-        return buf, kv
+        return torch.frombuffer(buf, dtype=lay.dtype, count=lay.numel, offset=HEADER.size).view(lay.shape)
 
     def seal(self, buf: bytearray, block_id: str, expires_at: float) -> bytearray:
-        """Quantize if configured, then write the header and checksum; `buf` is from new_buffer()."""
+        """Quantize if configured, then write the header and checksum.
+
+        `buf` holds the block as payload() wrote it. Unquantized, it is sealed in place and
+        returned; INT8 returns a new, smaller buffer and leaves `buf` free for reuse.
+        """
         lay = self.layout
         if self.quant is Quant.INT8:
-            kv = torch.frombuffer(buf, dtype=lay.dtype, count=lay.numel, offset=HEADER.size).view(lay.shape)
-            q, scale = quantize_int8(kv)  # (L, 2, BS, Hkv, D) int8, (L, 2, BS, Hkv) float32
+            q, scale = quantize_int8(self.payload(buf))  # (L, 2, BS, Hkv, D) int8, (L, 2, BS, Hkv) float32
             rows = lay.numel // lay.head_dim
             buf = bytearray(HEADER.size + lay.payload_nbytes(Quant.INT8))
             torch.frombuffer(buf, dtype=torch.int8, count=lay.numel, offset=HEADER.size).copy_(q.reshape(-1))

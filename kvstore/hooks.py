@@ -1,9 +1,13 @@
 """The cold tier as the engine's block hooks (workers.engine.hooks.BlockHooks).
 
+    from kvstore.coldtier import ColdTier, connect
+
     hooks = ColdTierHooks()
-    engine = Engine(..., hooks=hooks)            # the engine takes its hooks first,
-    hooks.tier = ColdTier(cache_client, settings.redis.keys,   # and owns the pool after
-                          engine_fingerprint, engine.kv_cache)
+    engine = Engine(..., hooks=hooks)  # the engine takes its hooks first, and owns the pool after
+    hooks.tier = ColdTier(connect(settings.redis.cache_url), settings.redis.keys,
+                          engine.block_manager.fingerprint, engine.kv_cache)
+    ...
+    hooks.tier.close()                 # at shutdown: drains the spill queue
 
 Both hooks run on the engine's step thread between model steps, so the pool is not
 being written while they copy. Neither raises for a tier that is down: a spill that

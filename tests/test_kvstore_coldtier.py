@@ -19,16 +19,20 @@ from kvstore.hooks import ColdTierHooks
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 MODEL = "model-a"
+# A GPU pool exercises the device → host gather and the on-device dequantize; CPU always.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 HASHES = [f"{i:032x}" for i in range(1, 6)]  # the engine's block hashes are 32 hex chars
 
 
-def make_pool(dtype=torch.float16, *, layers=2, blocks=8, block_size=4, heads=2, dim=64, seed=0, zeros=False):
+def make_pool(dtype=torch.float16, *, layers=2, blocks=8, block_size=4, heads=2, dim=64, seed=0, zeros=False, device="cpu"):
     """Per layer (k, v), each (NB, BS, Hkv, D), as the engine's kv_cache."""
     gen = torch.Generator().manual_seed(seed)
     shape = (blocks, block_size, heads, dim)
     if zeros:
-        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(layers)]
-    return [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)) for _ in range(layers)]
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(layers)]
+    return [(torch.randn(shape, generator=gen).to(device, dtype), torch.randn(shape, generator=gen).to(device, dtype))
+            for _ in range(layers)]
 
 
 def block_of(pool, block_id: int) -> torch.Tensor:  # (L, 2, BS, Hkv, D)
@@ -54,9 +58,10 @@ def make_tier(cache_client, prefix):
         tier.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_store_then_load_is_exact(make_tier, dtype):
-    src, dst = make_pool(dtype), make_pool(dtype, zeros=True)
+def test_store_then_load_is_exact(make_tier, dtype, device):
+    src, dst = make_pool(dtype, device=device), make_pool(dtype, zeros=True, device=device)
     make_tier(src).store(HASHES[:3], [1, 2, 3])
     asked = []
     loaded = make_tier(dst).load(HASHES[:3], lambda n: asked.append(n) or [5, 6, 7][:n])
@@ -66,8 +71,9 @@ def test_store_then_load_is_exact(make_tier, dtype):
     assert block_of(dst, 0).abs().sum() == 0  # nothing else written
 
 
-def test_int8_load_is_within_tolerance(make_tier):
-    src, dst = make_pool(torch.float16), make_pool(torch.float16, zeros=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_load_is_within_tolerance(make_tier, device):
+    src, dst = make_pool(torch.float16, device=device), make_pool(torch.float16, zeros=True, device=device)
     make_tier(src, quant=Quant.INT8).store(HASHES[:1], [1])
     assert make_tier(dst).load(HASHES[:1], lambda n: [4]) == 1  # any reader opens int8 blobs
     x, y = block_of(src, 1).float(), block_of(dst, 4).float()
@@ -123,7 +129,8 @@ def test_a_stale_block_is_loaded_and_its_life_extended(make_tier, cache_client):
 
 def _mangled(tier: ColdTier, how: str) -> bytes:
     good = BlobCodec(tier.layout, MODEL)
-    buf, kv = good.new_buffer()
+    buf = bytearray(good.raw_nbytes)
+    kv = good.payload(buf)
     kv.normal_()
     raw = bytes(good.seal(buf, HASHES[0], time.time() + 60))
     if how == "corrupt":
@@ -134,7 +141,8 @@ def _mangled(tier: ColdTier, how: str) -> bytes:
         other = BlobCodec(tier.layout, "model-b")
     else:  # shape
         other = BlobCodec(KVLayout(2, 4, 2, 32, torch.float16), MODEL)
-    buf, kv = other.new_buffer()
+    buf = bytearray(other.raw_nbytes)
+    kv = other.payload(buf)
     kv.normal_()
     return bytes(other.seal(buf, HASHES[0], time.time() + 60))
 

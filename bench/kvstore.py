@@ -1,0 +1,294 @@
+"""Cold-tier benchmark: spill and load GB/s against plain redis-py on the same server in
+the same run, and a prefix stampede with and without the rebuild lock.
+
+    python bench/kvstore.py [--quick] [--device cpu|cuda] [--out bench/results]
+
+Blocks are Llama-3-8B sized: 16 tokens × 32 layers × 8 KV heads × 128 dims × (K, V) in
+fp16 = 2 MiB. "plain" is the best redis-py does with the same bytes and the same round
+trips (pipelined SETs in batches of 8; one MGET per prefix) and no header, checksum,
+copy out of or into a block pool. Rounds alternate plain and cold tier so both see the
+same machine load; medians are reported. Target: cold-tier load ≥ 70% of plain.
+
+The stampede: 4 processes × 50 threads ask for one missing prefix at once through
+ColdTier.ensure_prefix; the prefill (a sleep standing in for the model, then a store)
+is counted in Redis. TTFT needs the engine: see measure_ttft (TODO, null until then).
+
+Block pools live on --device (default: cuda when available, else cpu). Prints a table,
+writes <out>/kvstore.json and <out>/kvstore.png. Uses the local cache Redis that
+kvfleet.infra starts (only it: the bench needs no Kafka), database 2 (tests use 1, the
+demo 0), and deletes its keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+# Run as a script, sys.path[0] is bench/, where this very file would shadow the
+# `kvstore` package; put the repository root there instead.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:1] = [str(ROOT)]
+
+import redis  # noqa: E402
+import torch  # noqa: E402
+
+from kvfleet.infra import redis as local_redis  # noqa: E402
+from kvfleet.constants import Keys  # noqa: E402
+from kvstore.blob import Quant  # noqa: E402
+from kvstore.coldtier import ColdTier, PrefixSource, connect  # noqa: E402
+
+LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE = 32, 16, 8, 128, torch.float16  # 2 MiB a block
+FINGERPRINT = "bench-llama3-8b"
+BENCH_DB = 2
+PIPELINE_BATCH = 8  # the spill writer's batch, and plain SET's
+STAMPEDE_PROCESSES, STAMPEDE_THREADS = 4, 50
+STAMPEDE_PREFIX_BLOCKS, PREFILL_S = 2, 0.5
+GiB = 1 << 30
+
+
+def make_pool(num_blocks: int, seed: int = 0, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)  # (NB, BS, Hkv, D) per layer, K and V
+    return [(torch.randn(shape, generator=g).to(device, DTYPE), torch.randn(shape, generator=g).to(device, DTYPE))
+            for _ in range(LAYERS)]
+
+
+def median_s(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+# --- throughput ----------------------------------------------------------------------
+def throughput(url: str, prefix: str, blocks: int, rounds: int, device: str) -> dict:
+    client = connect(url, timeout_s=10.0)
+    keys = Keys(prefix)
+    src, dst = make_pool(blocks, seed=1, device=device), make_pool(blocks, seed=2, device=device)
+    hashes = [f"{i:032x}" for i in range(blocks)]
+    ids = list(range(blocks))
+    tiers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", src, quant=q, spill_max_bytes=4 * GiB,
+                         spill_batch=PIPELINE_BATCH) for q in Quant}
+    readers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", dst) for q in Quant}
+    blob_bytes = {}
+    for q, tier in tiers.items():
+        tier.store(hashes[:1], ids[:1])
+        blob_bytes[q] = client.strlen(tier.key(hashes[0]))
+    plain_keys = [f"{prefix}:plain:{i}" for i in range(blocks)]
+    plain_value = bytes(blob_bytes[Quant.NONE])  # the same bytes per block as an fp16 blob
+
+    def plain_set() -> None:
+        for lo in range(0, blocks, PIPELINE_BATCH):
+            pipe = client.pipeline(transaction=False)
+            for key in plain_keys[lo:lo + PIPELINE_BATCH]:
+                pipe.set(key, plain_value, px=600_000)
+            pipe.execute()
+
+    def plain_get() -> None:
+        assert all(v is not None for v in client.mget(plain_keys))
+
+    hook_s: dict[Quant, list[float]] = {q: [] for q in Quant}  # the engine thread's share of a spill
+
+    def spill(q: Quant) -> Callable[[], None]:
+        def run() -> None:
+            started = time.perf_counter()
+            for h, i in zip(hashes, ids):
+                if not tiers[q].spill(h, i):
+                    raise RuntimeError("spill queue full: raise spill_max_bytes")
+            hook_s[q].append((time.perf_counter() - started) / blocks)
+            if not tiers[q].flush(120):
+                raise RuntimeError("spills not written within 120 s")
+        return run
+
+    def load(q: Quant) -> Callable[[], None]:
+        def run() -> None:
+            if readers[q].load(hashes, lambda n: ids[:n]) != blocks:
+                raise RuntimeError("a load came up short: was a block evicted? (maxmemory)")
+            if device != "cpu":
+                torch.cuda.synchronize()  # the copies into the pool are part of the load
+        return run
+
+    ops = {"plain SET": plain_set, "cold spill fp16": spill(Quant.NONE), "cold spill int8": spill(Quant.INT8),
+           "plain MGET": plain_get, "cold load fp16": load(Quant.NONE), "cold load int8": load(Quant.INT8)}
+    wire = {"plain SET": len(plain_value), "plain MGET": len(plain_value),
+            "cold spill fp16": blob_bytes[Quant.NONE], "cold load fp16": blob_bytes[Quant.NONE],
+            "cold spill int8": blob_bytes[Quant.INT8], "cold load int8": blob_bytes[Quant.INT8]}
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    plain_set(), spill(Quant.NONE)(), spill(Quant.INT8)()  # warm up and fill what the loads read
+    for _ in range(rounds):
+        for name, op in ops.items():  # interleaved: plain and cold see the same machine load
+            started = time.perf_counter()
+            op()
+            samples[name].append(time.perf_counter() - started)
+    for tier in [*tiers.values(), *readers.values()]:
+        tier.close()
+    kv_bytes = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    rows = {}
+    for name, secs in samples.items():
+        s = median_s(secs)
+        rows[name] = {"median_s": s, "blocks": blocks, "wire_bytes_per_block": wire[name],
+                      "wire_gbps": blocks * wire[name] / s / 1e9, "kv_gbps": blocks * kv_bytes / s / 1e9}
+    return {"rows": rows, "block_bytes_fp16": kv_bytes, "blob_bytes": {q.value: b for q, b in blob_bytes.items()},
+            "spill_hook_ms_per_block": {q.value: median_s(v) * 1e3 for q, v in hook_s.items()}}
+
+
+# --- stampede ------------------------------------------------------------------------
+def stampede_process(url: str, prefix: str, use_lock: bool, ready, go, out) -> None:
+    client = connect(url, timeout_s=30.0)
+    pool = make_pool(2 * STAMPEDE_PREFIX_BLOCKS)
+    tier = ColdTier(client, Keys(prefix), FINGERPRINT, pool, use_lock=use_lock, poll_s=0.05, wait_timeout_s=60)
+    hashes = [f"{prefix}{i:08x}" for i in range(STAMPEDE_PREFIX_BLOCKS)]
+    block_ids = list(range(STAMPEDE_PREFIX_BLOCKS))
+
+    def prefill() -> None:  # the model's work, then the store its waiters load from
+        client.incr(f"{prefix}:prefills")
+        time.sleep(PREFILL_S)
+        tier.store(hashes, block_ids)
+
+    latencies: list[float] = []
+    barrier = threading.Barrier(STAMPEDE_THREADS)
+    # This process stands for one worker: its engine loads the prefix into its pool
+    # once, and its other requests find it there (the hot tier).
+    pool_lock, in_pool = threading.Lock(), threading.Event()
+
+    def request() -> None:
+        barrier.wait()
+        started = time.perf_counter()
+        source = tier.ensure_prefix(hashes, prefill)
+        with pool_lock:
+            if source is PrefixSource.COLD and not in_pool.is_set():
+                if tier.load(hashes, lambda n: [STAMPEDE_PREFIX_BLOCKS + i for i in range(n)]) != len(hashes):
+                    raise RuntimeError("the prefix was not in the cold tier after ensure_prefix")
+            in_pool.set()
+        latencies.append(time.perf_counter() - started)
+
+    threads = [threading.Thread(target=request) for _ in range(STAMPEDE_THREADS)]
+    ready.put(1)
+    go.wait(120)
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    tier.close()
+    out.put(latencies)
+
+
+def stampede(url: str, *, use_lock: bool) -> dict:
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    ctx = mp.get_context("spawn")
+    ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=stampede_process, args=(url, prefix, use_lock, ready, go, out))
+             for _ in range(STAMPEDE_PROCESSES)]
+    [p.start() for p in procs]
+    [ready.get(timeout=180) for _ in procs]
+    started = time.perf_counter()
+    go.set()
+    latencies = sorted(x for _ in procs for x in out.get(timeout=300))
+    wall = time.perf_counter() - started
+    [p.join(30) for p in procs]
+    client = redis.Redis.from_url(url)
+    prefills = int(client.get(f"{prefix}:prefills") or 0)
+    cleanup(client, prefix)
+    return {"requests": len(latencies), "prefills": prefills, "wall_s": wall,
+            "p50_s": latencies[len(latencies) // 2], "p99_s": latencies[int(len(latencies) * 0.99) - 1]}
+
+
+# --- TTFT ----------------------------------------------------------------------------
+def measure_ttft() -> dict:
+    # TODO(lead, once workers.engine lands): time to first token of one long prompt
+    # (e.g. 2048 tokens = 128 blocks) on one engine, three ways, median of a few runs:
+    #   recompute: empty pool and empty cold tier, the whole prompt is prefilled;
+    #   cold:      run it once, evict the pool (or a fresh engine), keep Redis: the
+    #              blocks come back through ColdTierHooks.on_admit (ColdTier.load);
+    #   hot:       run it again with its blocks still in the pool.
+    # Then fill ttft_cold_over_recompute = cold / recompute and
+    # ttft_hot_over_recompute = hot / recompute, and drop the note.
+    return {"ttft_cold_over_recompute": None, "ttft_hot_over_recompute": None,
+            "ttft_note": "null until workers.engine exists: TODO in bench/kvstore.py measure_ttft()"}
+
+
+# --- report --------------------------------------------------------------------------
+def cleanup(client: redis.Redis, prefix: str) -> None:
+    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
+    for lo in range(0, len(keys), 500):
+        client.delete(*keys[lo:lo + 500])
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["throughput"]["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    names = list(rows)
+    x = range(len(names))
+    ax1.bar([i - 0.2 for i in x], [rows[n]["wire_gbps"] for n in names], 0.4, label="wire bytes", color="tab:blue")
+    ax1.bar([i + 0.2 for i in x], [rows[n]["kv_gbps"] for n in names], 0.4, label="KV bytes (fp16 equivalent)",
+            color="tab:orange")
+    ax1.set_xticks(list(x), names)
+    ax1.set_ylabel("GB/s")
+    ax1.set_title(f"2 MiB blocks, {result['config']['device']} pools, median of {result['config']['rounds']} rounds")
+    ax1.tick_params(axis="x", rotation=25)
+    ax1.legend()
+    ax2.bar(["with lock", "without"], [result["stampede_prefills_with_lock"], result["stampede_prefills_without_lock"]],
+            color=["tab:green", "tab:red"])
+    ax2.set_yscale("log")
+    ax2.set_title(f"prefills for {STAMPEDE_PROCESSES * STAMPEDE_THREADS} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer blocks and rounds (about 2 minutes)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # keep torch's thread pool from fighting the Redis client for cores
+    url = local_redis.start(local_redis.CACHE).rsplit("/", 1)[0] + f"/{BENCH_DB}"
+    blocks, rounds = (16, 15) if args.quick else (32, 30)
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    try:
+        tp = throughput(url, prefix, blocks, rounds, args.device)
+    finally:
+        cleanup(redis.Redis.from_url(url), prefix)
+    with_lock, without_lock = stampede(url, use_lock=True), stampede(url, use_lock=False)
+    rows = tp["rows"]
+    result = {
+        "config": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                   "dtype": str(DTYPE), "blocks_per_round": blocks, "rounds": rounds, "quick": args.quick,
+                   "device": args.device, "redis": url, "cpus": os.cpu_count()},
+        "throughput": tp,
+        "load_vs_plain_redis": rows["cold load fp16"]["wire_gbps"] / rows["plain MGET"]["wire_gbps"],
+        "spill_vs_plain_redis": rows["cold spill fp16"]["wire_gbps"] / rows["plain SET"]["wire_gbps"],
+        "int8_bytes_vs_fp16": tp["blob_bytes"]["int8"] / tp["blob_bytes"]["none"],
+        **measure_ttft(),
+        "stampede_prefills_with_lock": with_lock["prefills"],
+        "stampede_prefills_without_lock": without_lock["prefills"],
+        "stampede": {"with_lock": with_lock, "without_lock": without_lock},
+    }
+    print(f"{'operation':<18}{'median ms':>11}{'wire GB/s':>11}{'KV GB/s':>10}")
+    for name, row in rows.items():
+        print(f"{name:<18}{row['median_s'] * 1e3:>11.1f}{row['wire_gbps']:>11.2f}{row['kv_gbps']:>10.2f}")
+    hook = tp["spill_hook_ms_per_block"]
+    print(f"engine thread per evicted block (copy out + queue): {hook['none']:.2f} ms fp16, {hook['int8']:.2f} ms int8")
+    print(f"load vs plain redis: {result['load_vs_plain_redis']:.0%} (target >= 70%), "
+          f"spill vs plain: {result['spill_vs_plain_redis']:.0%}, int8 bytes vs fp16: {result['int8_bytes_vs_fp16']:.0%}")
+    for name, s in result["stampede"].items():
+        print(f"stampede {name:<13} {s['prefills']:>4} prefills for {s['requests']} requests, "
+              f"p50 {s['p50_s']:.2f}s p99 {s['p99_s']:.2f}s, wall {s['wall_s']:.1f}s")
+    print("ttft_cold_over_recompute, ttft_hot_over_recompute: null (" + result["ttft_note"] + ")")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kvstore.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "kvstore.png")
+    print(f"wrote {args.out / 'kvstore.json'} and {args.out / 'kvstore.png'}")
+
+
+if __name__ == "__main__":
+    main()
