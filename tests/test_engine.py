@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 import torch
@@ -22,14 +21,14 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
-    return load_model("builtin:tiny")
+    return load_model("builtin:tiny", device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory) -> tuple[transformers.LlamaForCausalLM, LoadedModel]:
     path = tmp_path_factory.mktemp("ckpt")
     hf = save_tiny_checkpoint(path, tie=False)
-    return hf, load_model(str(path))
+    return hf, load_model(str(path), device="cpu", dtype="float32")
 
 
 def prompts(n: int, vocab: int, seed: int, lo: int = 3, hi: int = 150) -> list[list[int]]:
@@ -208,10 +207,8 @@ def test_shutdown_fails_requests_in_flight(tiny):
 
 def test_higher_priority_is_served_first(tiny):
     with Engine(tiny, EngineConfig(num_blocks=128, max_num_seqs=1)) as engine:
-        started = threading.Event()
         low = [engine.submit(f"low{i}", [5, 6, 7], 40, priority_rank=2, ignore_eos=True) for i in range(3)]
         high = engine.submit("high", [5, 6, 8], 40, priority_rank=0, ignore_eos=True)
-        started.set()
         done = {h.request_id: h.result(timeout=60).finished_at for h in [*low, high]}
     # low0 may already hold the only slot; high must pass low1 and low2.
     assert done["high"] < done["low1"] < done["low2"]

@@ -19,7 +19,7 @@ from kvfleet.contracts import Sampling
 from workers.engine import Engine, EngineConfig
 from workers.model import LlamaConfig, load_model
 from workers.model.attention import AttentionMetadata
-from workers.model.loader import LoadedModel
+from workers.model.loader import LoadedModel, load_tokenizer_and_config
 from workers.model.sampling import make_generator, sample_row
 from workers.model.tokenizer import ByteTokenizer
 
@@ -76,7 +76,7 @@ def forward_chunks(loaded: LoadedModel, tokens: list[int], chunks: list[int], bl
             context_lens=torch.tensor([done + n], dtype=torch.int32),
             block_tables=torch.tensor([table], dtype=torch.int32),
             slot_mapping=torch.tensor([table[p // block_size] * block_size + p % block_size for p in pos]),
-            query_starts=(0, n), fresh_prefill=done == 0,
+            query_starts=(0, n), num_decode_seqs=int(n == 1),
         )
         with torch.inference_mode():
             hidden = loaded.model(torch.tensor(tokens[done:done + n]), torch.tensor(pos), meta, kv)
@@ -90,14 +90,14 @@ def hf_logits(hf: transformers.LlamaForCausalLM, tokens: list[int]) -> torch.Ten
         return hf(torch.tensor([tokens])).logits[0]
 
 
-def test_logits_match_transformers_fresh_and_paged(checkpoint):
+def test_logits_match_transformers_whole_and_chunked(checkpoint):
     hf, loaded = checkpoint
     tokens = [1] + [(7 * i + 3) % (VOCAB - 3) + 3 for i in range(45)]
     expected = hf_logits(hf, tokens)
-    fresh = forward_chunks(loaded, tokens, [len(tokens)])  # SDPA fast path
-    paged = forward_chunks(loaded, tokens, [13, 9, 1, 1, 22])  # cached prefix, chunks, decode steps
-    torch.testing.assert_close(fresh, expected, atol=LOGITS_ATOL, rtol=0)
-    torch.testing.assert_close(paged, expected, atol=LOGITS_ATOL, rtol=0)
+    whole = forward_chunks(loaded, tokens, [len(tokens)])  # one prefill
+    chunked = forward_chunks(loaded, tokens, [13, 9, 1, 1, 22])  # over a cached prefix, decode steps
+    torch.testing.assert_close(whole, expected, atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(chunked, expected, atol=LOGITS_ATOL, rtol=0)
     assert expected.std() > 1.0  # the comparison is not between near-constant logits
 
 
@@ -133,7 +133,7 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_builtin_is_identical_across_loads():
-    a, b = load_model("builtin:tiny"), load_model("builtin:tiny")
+    a, b = load_model("builtin:tiny", device="cpu"), load_model("builtin:tiny", device="cpu")
     assert a.fingerprint == b.fingerprint and len(a.fingerprint) == 32
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         assert torch.equal(pa, pb), name
@@ -190,6 +190,18 @@ def test_stop_string_ends_and_cuts_the_text(checkpoint):
     assert cut.tokens == full.tokens[:ends]
     assert cut.text == full.text[:full.text.index(stop)]
     assert 0 < len(cut.text) < len(full.text)
+
+
+def test_tokenizer_and_config_load_without_weights(tmp_path):
+    save_tiny_checkpoint(tmp_path / "ckpt", tie=True)
+    for f in (tmp_path / "ckpt").glob("*.safetensors"):
+        f.unlink()  # the API and the scheduler count tokens on machines without the weights
+    tokenizer, config, name = load_tokenizer_and_config(str(tmp_path / "ckpt"))
+    assert (tokenizer.encode("w7"), config.num_key_value_heads, config.tie_word_embeddings, name) == ([1, 7], 2, True, "ckpt")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(str(tmp_path / "ckpt"))
+    tokenizer, config, name = load_tokenizer_and_config("builtin:bench")
+    assert (tokenizer.vocab_size, config.max_position_embeddings, name) == (258, 4096, "builtin:bench")
 
 
 def test_missing_files_and_unsupported_configs_fail_clearly(tmp_path):

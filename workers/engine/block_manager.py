@@ -74,12 +74,15 @@ class BlockManager:
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         hashes = self._hashes(seq)
         cached = self._cached_prefix(seq)
+        # Appended one by one, so that if a hook raises, `deallocate(seq)` returns all taken.
         for bid in cached:
             block = self.blocks[bid]
             if block.ref_count == 0:
                 del self.free_hashed[bid]
             block.ref_count += 1
-        seq.block_table = cached + [self._take_free() for _ in range(seq.num_blocks(self.block_size) - len(cached))]
+            seq.block_table.append(bid)
+        while len(seq.block_table) < seq.num_blocks(self.block_size):
+            seq.block_table.append(self._take_free())
 
         lookup_limit = self._lookup_limit(seq)
         missing = [
@@ -172,9 +175,10 @@ class BlockManager:
         if self.free_unhashed:
             bid = self.free_unhashed.popleft()
         else:
-            bid, _ = self.free_hashed.popitem(last=False)  # least recently freed
+            bid = next(iter(self.free_hashed))  # least recently freed
             block = self.blocks[bid]
             self.hooks.on_evict(block.hash, block.token_ids, block.parent_hash, bid)
+            del self.free_hashed[bid]  # only now: a raising hook leaves the block where it was
             del self.hash_to_block[block.hash]
             block.hash, block.parent_hash, block.token_ids = None, None, ()
         self.blocks[bid].ref_count = 1

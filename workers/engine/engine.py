@@ -194,11 +194,7 @@ class Engine:
                 try:
                     self._step()
                 except Exception as e:  # the model or a hook failed: fail what is in flight, keep serving
-                    log.exception("engine step failed; failing %d requests", len(self.scheduler.running)
-                                  + len(self.scheduler.waiting))
-                    error = StepFailed(f"engine step failed: {e!r}")
-                    error.__cause__ = e
-                    self._fail(self.scheduler.running + self.scheduler.waiting, error)
+                    self._fail_in_flight(e)
         finally:  # however the loop ends, no caller is left waiting
             log.info("engine loop stopped")
             with self._cond:
@@ -272,6 +268,16 @@ class Engine:
                           prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
                           started_at=seq.started_at, first_token_at=seq.first_token_at,
                           finished_at=seq.finished_at)
+
+    def _fail_in_flight(self, cause: Exception) -> None:
+        """Every request the scheduler has taken, wherever the failed step left it."""
+        with self._cond:
+            queued = {id(seq) for seq in self._inbox}
+            seqs = [seq for seq, _ in self._requests.values() if id(seq) not in queued]
+        log.error("engine step failed; failing %d requests", len(seqs), exc_info=cause)
+        error = StepFailed(f"engine step failed: {cause!r}")
+        error.__cause__ = cause
+        self._fail(seqs, error)
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> None:
         for seq in seqs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from workers.engine.scheduler import ScheduledBatch
+from workers.engine.sequence import Sequence
 from workers.model.attention import AttentionMetadata
 from workers.model.llama import KVCache
 from workers.model.loader import LoadedModel
@@ -42,8 +43,10 @@ class ModelRunner:
         starts = [0]
         context_lens: list[int] = []
         last_rows: list[int] = []  # flat row of each sampling sequence's last token
-        samplers = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        samplers: list[Sequence] = []
+        # Decodes (one new token) first, prefills after: attention takes them in two calls.
+        order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda item: item[1] != 1)
+        for seq, n in order:
             lo, hi = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[lo:hi]
             positions += range(lo, hi)
@@ -57,14 +60,14 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in batch.seqs)
         # Padding entries are never read (attention stops at context_len); 0 keeps any
         # over-read by a kernel inside the pool.
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in order]
         meta = AttentionMetadata(
             cu_seqlens_q=self._tensor(starts, torch.int32),
             context_lens=self._tensor(context_lens, torch.int32),
             block_tables=self._tensor(tables, torch.int32),  # (B, width)
             slot_mapping=self._tensor(slots, torch.int64),
             query_starts=tuple(starts),
-            fresh_prefill=all(seq.num_computed_tokens == 0 for seq in batch.seqs),
+            num_decode_seqs=sum(1 for _, n in order if n == 1),
         )
         with torch.inference_mode():
             hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),

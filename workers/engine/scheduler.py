@@ -117,8 +117,8 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _admit(self, seq: Sequence) -> None:
+        self.block_manager.allocate(seq)  # first: if a hook raises, seq is still in waiting
         self.waiting.pop(0)
-        self.block_manager.allocate(seq)
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
         self.prompt_tokens_cached += seq.num_computed_tokens

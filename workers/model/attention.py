@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels import ops
 
@@ -22,11 +21,14 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # (B,) int32
     block_tables: torch.Tensor  # (B, max_blocks) int32
     slot_mapping: torch.Tensor  # (T,) int64; -1 = do not store
-    #: cu_seqlens_q on the host, so the fast path slices without a device sync.
+    #: cu_seqlens_q on the host, so slicing needs no device sync.
     query_starts: tuple[int, ...]
-    #: True when every sequence's context is exactly its new tokens (a prefill with no
-    #: cached prefix): attention then needs only this step's K/V, not the pool.
-    fresh_prefill: bool
+    #: The first sequences have one query row each (decodes); prefills follow.
+    num_decode_seqs: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_starts) - 1
 
 
 def paged_attention(
@@ -38,30 +40,35 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (T, Hq, D)
-    """Store this step's K/V in the pool, then attend each query over its sequence's context."""
+    """Store this step's K/V in the pool, then attend each query over its sequence's context.
+
+    Decodes and prefills go to separate calls: an implementation that pads queries to
+    the batch's longest (kernels.gather_sdpa) would otherwise pad every decode row of a
+    mixed batch to the length of its longest prefill chunk.
+    """
     ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.fresh_prefill:
-        return _causal_sdpa(q, k, v, meta.query_starts, scale)
-    return ops.paged_attention(
-        q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale
-    )
-
-
-def _causal_sdpa(
-    q: torch.Tensor,  # (T, Hq, D)
-    k: torch.Tensor,  # (T, Hkv, D)
-    v: torch.Tensor,  # (T, Hkv, D)
-    starts: tuple[int, ...],
-    scale: float,
-) -> torch.Tensor:  # (T, Hq, D)
-    """Fast path for prefills without a cached prefix: the new K/V are the whole context,
-    so torch's fused SDPA reads them directly instead of gathering blocks from the pool.
-    On CPU this is several times faster than the pool gather for long prompts."""
+    d, b = meta.num_decode_seqs, meta.num_seqs
+    if d in (0, b):
+        return _paged(q, k_cache, v_cache, meta, 0, b, scale)
+    split = meta.query_starts[d]
     out = torch.empty_like(q)
-    for lo, hi in zip(starts[:-1], starts[1:]):
-        qb = q[lo:hi].transpose(0, 1)  # (Hq, L, D)
-        kb = k[lo:hi].transpose(0, 1)  # (Hkv, L, D)
-        vb = v[lo:hi].transpose(0, 1)  # (Hkv, L, D)
-        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
-        out[lo:hi] = ob.transpose(0, 1)  # (L, Hq, D)
+    out[:split] = _paged(q, k_cache, v_cache, meta, 0, d, scale)
+    out[split:] = _paged(q, k_cache, v_cache, meta, d, b, scale)
     return out
+
+
+def _paged(
+    q: torch.Tensor,  # (T, Hq, D)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    first: int,
+    last: int,
+    scale: float,
+) -> torch.Tensor:  # (rows of sequences [first, last), Hq, D)
+    """kernels.ops.paged_attention over sequences [first, last), whose rows are contiguous."""
+    lo, hi = meta.query_starts[first], meta.query_starts[last]
+    return ops.paged_attention(
+        q[lo:hi], k_cache, v_cache, meta.cu_seqlens_q[first:last + 1] - lo,
+        meta.context_lens[first:last], meta.block_tables[first:last], scale,
+    )

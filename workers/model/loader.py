@@ -63,16 +63,11 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "auto") -> Loa
     else:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(_DTYPES)}")
 
+    tokenizer, config, name = load_tokenizer_and_config(source)
     if source.startswith(BUILTIN_PREFIX):
-        config, state, fingerprint = _builtin(source.removeprefix(BUILTIN_PREFIX))
-        tokenizer: Tokenizer = ByteTokenizer()
-        name = source
+        state, fingerprint = _builtin_weights(config)
     else:
-        path = Path(source)
-        config, state, fingerprint = _checkpoint(path)
-        tokenizer = _checkpoint_tokenizer(path, config)
-        name = path.resolve().name
-
+        state, fingerprint = _checkpoint_weights(Path(source), config)
     model = LlamaForCausalLM(config, device="meta")  # structure only: no memory, no random init
     try:
         model.load_state_dict(state, strict=True, assign=True)
@@ -82,12 +77,30 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "auto") -> Loa
     return LoadedModel(model, tokenizer, config, name, dev, dt, fingerprint, config.max_position_embeddings)
 
 
-def _builtin(size: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], str]:
-    if size not in BUILTIN_CONFIGS:
-        raise ValueError(f"unknown built-in model 'builtin:{size}'; choose one of {sorted(BUILTIN_CONFIGS)}")
-    config = BUILTIN_CONFIGS[size]
-    # Seeded CPU init in a fixed name order: every process builds the same bytes.
-    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(size.encode(), "little"))
+def load_tokenizer_and_config(source: str) -> tuple[Tokenizer, LlamaConfig, str]:
+    """What counting tokens and checking limits needs (the API, the scheduler), without
+    reading any weights. Same errors as `load_model` for a missing or unsupported source."""
+    if source.startswith(BUILTIN_PREFIX):
+        size = source.removeprefix(BUILTIN_PREFIX)
+        if size not in BUILTIN_CONFIGS:
+            raise ValueError(f"unknown built-in model {source!r}; choose one of "
+                             f"{[BUILTIN_PREFIX + k for k in sorted(BUILTIN_CONFIGS)]}")
+        return ByteTokenizer(), BUILTIN_CONFIGS[size], source
+    path = Path(source)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{config_file} not found: a model source is 'builtin:tiny', 'builtin:bench' or a "
+            "Hugging Face checkpoint directory with config.json, *.safetensors and tokenizer.json"
+        )
+    config = LlamaConfig.from_hf_dict(json.loads(config_file.read_text()))
+    return _checkpoint_tokenizer(path, config), config, path.resolve().name
+
+
+def _builtin_weights(config: LlamaConfig) -> tuple[dict[str, torch.Tensor], str]:
+    # Seeded (from the config) CPU init in a fixed name order: every process builds the same bytes.
+    seed = int.from_bytes(hashlib.blake2b(config.to_json().encode(), digest_size=8).digest(), "little")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, meta in sorted(LlamaForCausalLM(config, device="meta").state_dict().items()):
         if name.endswith("norm.weight"):
@@ -104,17 +117,10 @@ def _builtin(size: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], str]:
     for name, tensor in state.items():
         h.update(name.encode())
         h.update(tensor.numpy().tobytes())
-    return config, state, h.hexdigest()
+    return state, h.hexdigest()
 
 
-def _checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], str]:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(
-            f"{config_file} not found: a model source is 'builtin:tiny', 'builtin:bench' or a "
-            "Hugging Face checkpoint directory with config.json, *.safetensors and tokenizer.json"
-        )
-    config = LlamaConfig.from_hf_dict(json.loads(config_file.read_text()))
+def _checkpoint_weights(path: Path, config: LlamaConfig) -> tuple[dict[str, torch.Tensor], str]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path} (PyTorch .bin checkpoints are not loaded)")
@@ -134,7 +140,7 @@ def _checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], str]:
     h = hashlib.blake2b(config.to_json().encode(), digest_size=16)
     for f, digest in zip(files, digests):
         h.update(f.name.encode() + digest)
-    return config, state, h.hexdigest()
+    return state, h.hexdigest()
 
 
 def _file_digest(path: Path) -> bytes:

@@ -1,0 +1,199 @@
+"""Engine throughput against the baseline a user would otherwise write, and prefix-cache TTFT.
+
+    python -m bench.engine [--quick] [--threads N] [--device cpu|cuda] [--results DIR]
+    (from the repository root)
+
+1. Throughput (generated tokens/s) of the engine on builtin:bench with 1, 8, 32 and 64
+   requests in flight (max_num_seqs = concurrency, all submitted at once), against
+   Hugging Face transformers' generate() called one request at a time on a
+   LlamaForCausalLM holding the same weights. Same prompts and output lengths on both
+   sides: the engine ignores EOS, generate() gets min_new_tokens = max_new_tokens.
+   generate() is sequential, so its tokens/s is measured on the first requests of the list.
+2. Shared prefix: requests made of a 1,024-token prefix and a short suffix, all in
+   flight at once. Mean time to first token when the prefix is already in the pool
+   (one warm-up request ran before) against requests whose prefixes are all distinct
+   (same lengths, nothing to share).
+
+Peak RSS is sampled every 10 ms during each run. Results: a table on stdout,
+bench/results/engine.json and bench/results/engine.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import matplotlib
+import psutil
+import torch
+import transformers
+
+from kernels import ops
+from workers.engine import Engine, EngineConfig
+from workers.model import LoadedModel, load_model
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+Request = tuple[list[int], int]  # prompt tokens, output length
+
+
+class PeakRss:
+    """Largest resident set size of this process while the block runs, MiB."""
+
+    def __enter__(self) -> "PeakRss":
+        self.peak = psutil.Process().memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        proc = psutil.Process()
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, proc.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.mib = self.peak / 2**20
+
+
+def workload(n: int, seed: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int]) -> list[Request]:
+    rng = random.Random(seed)
+    return [([rng.randrange(256) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
+            for _ in range(n)]
+
+
+def run_engine(loaded: LoadedModel, requests: list[Request], concurrency: int) -> dict:
+    config = EngineConfig(kv_memory_bytes=512 * 2**20, max_num_seqs=concurrency)
+    with Engine(loaded, config) as engine:
+        engine.generate("warm-up", requests[0][0][:8], 2)
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            handles = [engine.submit(f"r{i}", p, n, ignore_eos=True) for i, (p, n) in enumerate(requests)]
+            tokens = sum(len(h.result().tokens) for h in handles)
+            wall = time.perf_counter() - start
+        stats = engine.stats()
+    return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "peak_rss_mib": rss.mib, "max_batch_size": stats.max_batch_size,
+            "preemptions": stats.preemptions}
+
+
+def to_transformers(loaded: LoadedModel) -> transformers.LlamaForCausalLM:
+    c = loaded.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+        eos_token_id=list(c.eos_token_id), pad_token_id=c.eos_token_id[0],
+    )
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model.load_state_dict(loaded.model.state_dict(), strict=True)  # same parameter names
+    return model.to(loaded.device, loaded.dtype)
+
+
+def run_hf(model: transformers.LlamaForCausalLM, requests: list[Request]) -> dict:
+    with PeakRss() as rss, torch.no_grad():
+        model.generate(torch.tensor([requests[0][0][:8]], device=model.device), max_new_tokens=2)  # warm-up
+        start = time.perf_counter()
+        tokens = 0
+        for prompt, n in requests:
+            ids = torch.tensor([prompt], device=model.device)
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            tokens += out.shape[1] - len(prompt)
+        wall = time.perf_counter() - start
+    return {"requests": len(requests), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "peak_rss_mib": rss.mib}
+
+
+def run_prefix(loaded: LoadedModel, n: int, prefix_len: int, cached: bool) -> dict:
+    rng = random.Random(7)
+    shared = [rng.randrange(256) for _ in range(prefix_len)]
+    prefixes = [shared if cached else [rng.randrange(256) for _ in range(prefix_len)] for _ in range(n)]
+    prompts = [p + [rng.randrange(256) for _ in range(32)] for p in prefixes]
+    with Engine(loaded, EngineConfig(kv_memory_bytes=1024 * 2**20, max_num_seqs=64)) as engine:
+        if cached:
+            engine.generate("warm-prefix", shared + [1, 2, 3], 1)
+        with PeakRss() as rss:
+            submitted = time.time()
+            handles = [engine.submit(f"p{i}", p, 8, ignore_eos=True) for i, p in enumerate(prompts)]
+            done = [h.result() for h in handles]
+    ttft = [c.first_token_at - submitted for c in done]
+    return {"cached": cached, "requests": n, "mean_ttft_s": sum(ttft) / n, "max_ttft_s": max(ttft),
+            "cached_tokens_per_request": sum(c.cached_tokens for c in done) / n, "peak_rss_mib": rss.mib}
+
+
+def plot(engine_runs: list[dict], hf: dict, prefix: list[dict], path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [r["concurrency"] for r in engine_runs]
+    left.plot(xs, [r["tokens_per_s"] for r in engine_runs], "o-", label="kvfleet engine")
+    left.axhline(hf["tokens_per_s"], color="gray", linestyle="--", label="transformers generate(), one at a time")
+    left.set(xscale="log", xticks=xs, xticklabels=[str(x) for x in xs], xlabel="concurrent requests",
+             ylabel="generated tokens/s", title="builtin:bench throughput")
+    left.legend()
+    right.bar(["prefix not cached", "prefix cached"], [p["mean_ttft_s"] for p in prefix], color=["gray", "C0"])
+    right.set(ylabel="mean time to first token (s)", title=f"{prefix[0]['requests']} requests, 1,024-token prefix")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests, shorter outputs (about two minutes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, for both sides")
+    parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where engine.json and engine.png go")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+
+    loaded = load_model("builtin:bench", device=args.device)
+    prompt_lens, output_lens = (16, 256), ((32, 128) if args.quick else (64, 256))
+    # Twice as many requests as slots (one at concurrency 1 aside): finished requests are
+    # replaced mid-run, as in a steady stream, instead of the batch draining in one wave.
+    sizes = {1: 4, 8: 16, 32: 64, 64: 128} if args.quick else {1: 8, 8: 32, 32: 128, 64: 256}
+    engine_runs = [run_engine(loaded, workload(n, c, prompt_lens, output_lens), c) for c, n in sizes.items()]
+    hf = run_hf(to_transformers(loaded), workload(6 if args.quick else 16, 32, prompt_lens, output_lens))
+    n_prefix = 16 if args.quick else 64
+    prefix = [run_prefix(loaded, n_prefix, 1024, cached=False), run_prefix(loaded, n_prefix, 1024, cached=True)]
+
+    at_32 = next(r for r in engine_runs if r["concurrency"] == 32)
+    results = {
+        "speedup_vs_hf_at_32": at_32["tokens_per_s"] / hf["tokens_per_s"],
+        "ttft_prefix_cached_over_uncached": prefix[1]["mean_ttft_s"] / prefix[0]["mean_ttft_s"],
+        "engine": engine_runs, "hf_generate": hf, "prefix": prefix,
+        "setup": {"quick": args.quick, "threads": args.threads, "cpus": os.cpu_count(),
+                  "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+                  "prompt_lens": prompt_lens, "output_lens": output_lens,
+                  "device": str(loaded.device), "dtype": str(loaded.dtype), "kernels": ops.backend(),
+                  "attention": ops.attention(), "torch": torch.__version__},
+    }
+    print(f"{'run':<28}{'requests':>9}{'tokens/s':>11}{'vs HF':>8}{'peak RSS MiB':>14}")
+    for r in engine_runs:
+        print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<28}{r['requests']:>9}"
+              f"{r['tokens_per_s']:>11.0f}{r['tokens_per_s'] / hf['tokens_per_s']:>7.1f}x{r['peak_rss_mib']:>14.0f}")
+    print(f"{'HF generate(), sequential':<28}{hf['requests']:>9}{hf['tokens_per_s']:>11.0f}{1:>7.1f}x"
+          f"{hf['peak_rss_mib']:>14.0f}")
+    for p in prefix:
+        print(f"prefix {'cached' if p['cached'] else 'not cached':<11} {p['requests']} requests: mean TTFT "
+              f"{p['mean_ttft_s']:.3f} s, max {p['max_ttft_s']:.3f} s, peak RSS {p['peak_rss_mib']:.0f} MiB")
+    print(f"speedup vs HF at 32: {results['speedup_vs_hf_at_32']:.1f}x; "
+          f"cached/uncached TTFT: {results['ttft_prefix_cached_over_uncached']:.3f}; "
+          f"load average {load_before[0]:.1f} -> {results['setup']['load_avg_after'][0]:.1f} on {os.cpu_count()} CPUs")
+
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(engine_runs, hf, prefix, args.results / "engine.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The block pool's bookkeeping on its own: hashing, sharing, LRU eviction, collisions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvfleet.contracts import Sampling
+from workers.engine import block_manager as bm_module
+from workers.engine.block_manager import BlockManager, block_hash
+from workers.engine.hooks import MissingBlock
+from workers.engine.sequence import Sequence
+
+BS = 4
+
+
+def seq(tokens: list[int], rid: str = "s") -> Sequence:
+    return Sequence(rid, tokens, 8, Sampling(), priority_rank=1, stop=(), ignore_eos=False, arrival_order=0)
+
+
+def computed(manager: BlockManager, s: Sequence) -> Sequence:
+    """As if a step computed all of `s`'s uncomputed tokens."""
+    n = s.num_uncomputed_tokens
+    s.num_computed_tokens += n
+    manager.cache_computed_blocks(s, n)
+    return s
+
+
+def test_block_hash_is_stable_across_processes():
+    here = block_hash("00" * 16, [1, 2, 70000], "fp")
+    code = "from workers.engine.block_manager import block_hash; print(block_hash('00' * 16, [1, 2, 70000], 'fp'))"
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert here == there
+    assert block_hash(None, [1, 2], "fp") != block_hash(None, [1, 2], "other-model")
+    assert block_hash(None, [1, 2], "fp") != block_hash(here, [1, 2], "fp")
+
+
+def test_equal_prefixes_share_computed_blocks_only():
+    manager = BlockManager(16, BS, "fp")
+    a = seq(list(range(10)), "a")
+    manager.allocate(a)
+    b = seq(list(range(10)), "b")
+    manager.allocate(b)
+    assert b.num_computed_tokens == 0  # a's blocks are not computed yet: nothing to share
+    computed(manager, a)
+    c = seq(list(range(9)) + [99], "c")
+    manager.allocate(c)
+    assert c.num_computed_tokens == 8 and c.block_table[:2] == a.block_table[:2]
+    assert manager.blocks[a.block_table[0]].ref_count == 2
+    d = seq(list(range(8)), "d")  # fully cached: the last block is recomputed for its logits
+    manager.allocate(d)
+    assert d.num_computed_tokens == 4 and d.block_table[0] == a.block_table[0] != d.block_table[1]
+
+
+def test_hash_collision_never_serves_other_tokens(monkeypatch):
+    monkeypatch.setattr(bm_module, "block_hash", lambda parent, tokens, fp: "ab" * 16)  # every block collides
+    manager = BlockManager(16, BS, "fp")
+    computed(manager, _allocated(manager, seq([1, 2, 3, 4, 5])))
+    other = _allocated(manager, seq([9, 9, 9, 9, 5]))
+    assert other.num_computed_tokens == 0
+
+
+def test_free_cached_blocks_are_evicted_least_recent_first_with_the_hook():
+    evicted: list[tuple] = []
+
+    class Recorder:
+        def on_evict(self, h, tokens, parent, block_id):
+            evicted.append((h, tokens, parent, block_id))
+
+        def on_admit(self, missing: list[MissingBlock]) -> int:
+            return 0
+
+    manager = BlockManager(4, BS, "fp", Recorder())
+    a = computed(manager, _allocated(manager, seq([1, 2, 3, 4, 5, 6, 7, 8, 9])))  # 2 full blocks + 1
+    manager.deallocate(a)
+    assert manager.num_free_blocks == 4
+    b = _allocated(manager, seq([7] * 13))  # 4 blocks: takes the empty one, then evicts a's tail first
+    assert [e[1] for e in evicted] == [(5, 6, 7, 8), (1, 2, 3, 4)]
+    assert evicted[0][2] == evicted[1][0] and evicted[1][2] is None  # the chain: parent hashes
+    assert sorted(b.block_table) == [0, 1, 2, 3] and manager.hash_to_block == {}
+
+
+def test_admission_hook_fills_leading_missing_blocks():
+    seen: list[list[MissingBlock]] = []
+
+    class Tier:
+        def on_evict(self, *args):
+            pass
+
+        def on_admit(self, missing: list[MissingBlock]) -> int:
+            seen.append(list(missing))
+            return 2
+
+    manager = BlockManager(8, BS, "fp", Tier())
+    s = _allocated(manager, seq(list(range(14))))
+    assert [m.token_ids for m in seen[0]] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    assert [m.block_id for m in seen[0]] == s.block_table[:3]
+    assert s.num_computed_tokens == 8 and manager.outside_hits == 2
+    again = _allocated(manager, seq(list(range(9)) + [50], "again"))  # the filled blocks are now shared
+    assert again.block_table[:2] == s.block_table[:2]
+
+
+def _allocated(manager: BlockManager, s: Sequence) -> Sequence:
+    assert manager.can_allocate(s)
+    manager.allocate(s)
+    return s
