@@ -160,7 +160,16 @@ class ColdTier:
     def store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         """Write blocks now, in this thread, in one pipeline: for a prefill whose waiters
         will load the blocks the moment it returns (see ensure_prefix)."""
-        self._write_batch([(hash_id(h), self._copy_out(b)) for h, b in zip(block_hashes, block_ids)], raise_errors=True)
+        self.write(self.copy_out(block_hashes, block_ids))
+
+    def copy_out(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> list[tuple[str, bytearray]]:
+        """The blocks' bytes, copied out of the pool. Must run where the pool is still
+        (the engine's step thread); `write` them from any thread afterwards."""
+        return [(hash_id(h), self._copy_out(b)) for h, b in zip(block_hashes, block_ids)]
+
+    def write(self, items: list[tuple[str, bytearray]]) -> None:
+        """Write copied-out blocks in one pipeline; raises if Redis fails."""
+        self._write_batch(items, raise_errors=True)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait for queued spills to be written; False on timeout."""

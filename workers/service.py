@@ -1,7 +1,7 @@
 """`kvfleet-worker`: one process, one model, one engine, many Celery task threads.
 
 Bootstrap, top to bottom: settings → model (loaded once) → engine (its step loop in a
-background thread) → job runner → heartbeat → metrics endpoint → Celery worker loop
+background thread) with the Redis cold tier as its block hooks → job runner → heartbeat → metrics endpoint → Celery worker loop
 (thread pool, high/normal/low queues in priority order). Celery's warm shutdown on
 SIGTERM lets running jobs finish; on SIGKILL their tasks stay unacknowledged and are
 redelivered after the visibility timeout.
@@ -23,13 +23,27 @@ from kvfleet.jobstore import JobStore
 from kvfleet.logs import now
 from kvfleet.settings import Settings
 from workers.celery_app import make_celery
+from kvstore.blob import Quant
+from kvstore.coldtier import ColdTier, connect
+from kvstore.hooks import ColdTierHooks
 from workers.engine import Engine, EngineConfig
 from workers.heartbeat import Heartbeat
 from workers.model.loader import load_model
+from workers.prefix import PrefixSharing, PrefixSharingEngine
 from workers.runner import JobRunner
 from workers.tasks import register
 
 log = logging.getLogger("kvfleet.worker")
+
+
+def cold_tier(settings: Settings, engine: Engine) -> ColdTier:
+    c = settings.cold_tier
+    return ColdTier(connect(settings.redis.cache_url), settings.redis.keys, engine.block_manager.fingerprint,
+                    engine.kv_cache, quant=Quant(c.quant), ttl_s=c.ttl_s, grace_s=c.grace_s,
+                    spill_max_bytes=c.spill_max_bytes,
+                    # Rebuild locks and their wake-ups live with the other locks, on the
+                    # state instance: the cache instance may evict keys, locks included.
+                    lock_client=redis.Redis.from_url(settings.redis.url))
 
 
 def main() -> None:
@@ -39,8 +53,16 @@ def main() -> None:
 
     model = load_model(settings.model.source, device=settings.model.device, dtype=settings.model.dtype)
     w = settings.worker
+    hooks = ColdTierHooks()
     engine = Engine(model, EngineConfig(block_size=w.block_size, kv_memory_bytes=w.kv_memory_bytes,
-                                        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens))
+                                        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens),
+                    hooks=hooks)
+    generator = engine
+    if settings.cold_tier.enabled:
+        # The engine owns its pool only once built, so the tier is attached after.
+        hooks.tier = cold_tier(settings, engine)
+        generator = PrefixSharingEngine(engine, PrefixSharing(
+            engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks))
     concurrency = w.concurrency or w.max_num_seqs
     log.info("model loaded", extra={"model": model.name, "device": str(model.device), "dtype": str(model.dtype),
                                     "fingerprint": model.fingerprint,
@@ -48,7 +70,7 @@ def main() -> None:
 
     client = redis.Redis.from_url(settings.redis.url)
     store = JobStore(client, settings.redis.keys)
-    runner = JobRunner(store, client, engine, model.tokenizer, worker_id=worker_id)
+    runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id)
 
     def snapshot() -> WorkerHeartbeat:
         s = engine.stats()
@@ -75,6 +97,8 @@ def main() -> None:
     finally:
         heartbeat.stop()
         engine.shutdown()
+        if hooks.tier is not None:
+            hooks.tier.close()  # drains the spill queue
         log.info("worker stopped", extra={"worker_id": worker_id})
 
 

@@ -16,11 +16,11 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 from kvfleet.contracts import Completion, Sampling
 from workers.engine import metrics
-from workers.engine.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager, block_hash
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineStopped, InvalidRequest, PromptTooLong, RequestCancelled, StepFailed
 from workers.engine.hooks import BlockHooks
@@ -101,6 +101,7 @@ class Engine:
         # Guarded by _cond:
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()
+        self._calls: list[tuple[Callable[[], Any], Future]] = []
         self._requests: dict[str, tuple[Sequence, Future]] = {}
         self._stopping = False
         self._arrivals = itertools.count()
@@ -149,6 +150,40 @@ class Engine:
             self._cancels.add(request_id)
             self._cond.notify()
             return True
+
+    def call_soon(self, fn: Callable[[], Any]) -> "Future[Any]":
+        """Run `fn` on the step thread between two steps; the future holds its result.
+
+        For work that must see the block pool still (no step can evict or overwrite a
+        block while `fn` runs), such as copying a prefix's blocks to the cold tier.
+        """
+        future: Future[Any] = Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the engine is shut down")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def prefix_hashes(self, prompt_tokens: Seq[int]) -> list[str]:
+        """Chained hashes of the prompt's full blocks that a cache could serve (all but
+        the block holding the last token, whose logits are always computed)."""
+        bs, fp = self.block_manager.block_size, self.block_manager.fingerprint
+        hashes: list[str] = []
+        for i in range((len(prompt_tokens) - 1) // bs):
+            hashes.append(block_hash(hashes[-1] if hashes else None, prompt_tokens[i * bs:(i + 1) * bs], fp))
+        return hashes
+
+    def cached_block_ids(self, hashes: Seq[str]) -> list[int]:
+        """Pool block ids of the leading run of `hashes` held in the hot tier. Exact only
+        on the step thread (inside `call_soon`); elsewhere a hint that may be stale."""
+        found: list[int] = []
+        for h in hashes:
+            bid = self.block_manager.hash_to_block.get(h)
+            if bid is None:
+                break
+            found.append(bid)
+        return found
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -206,17 +241,23 @@ class Engine:
     def _wait_for_work(self) -> bool:
         """Take new requests and cancellations; sleep while idle. False once stopping."""
         with self._cond:
-            while not (self._inbox or self._cancels or self._stopping) and self.scheduler.is_idle:
+            while not (self._inbox or self._cancels or self._calls or self._stopping) and self.scheduler.is_idle:
                 self._publish_stats()
                 self._cond.wait()
             if self._stopping:
                 return False
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
+            calls, self._calls = self._calls, []
             requests = {rid: self._requests[rid][0] for rid in cancels if rid in self._requests}
         for seq in inbox:
             self.scheduler.add(seq)
         self._fail(list(requests.values()), RequestCancelled("cancelled"))
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as e:  # the caller's error, delivered to the caller
+                future.set_exception(e)
         return True
 
     def _step(self) -> None:

@@ -1,0 +1,140 @@
+"""The cold tier through the engine, across OS processes, on the real cache Redis.
+
+A worker process evicts a prompt's blocks from its small pool (they spill to Redis);
+another process with an empty pool then serves the same prompt from the cold tier, and
+its tokens equal a cold run's: exactly for fp32 blocks, and for INT8 blocks greedy
+tokens are equal and the next-token logits stay within a stated tolerance.
+Also: the fleet-wide single flight of a shared prefix across processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import redis
+import torch
+
+from kvfleet.constants import Keys
+from kvfleet.contracts import Sampling
+from kvstore.blob import Quant
+from kvstore.coldtier import ColdTier, PrefixSource, connect
+from kvstore.hooks import ColdTierHooks
+from workers.engine import Engine, EngineConfig
+from workers.model.attention import AttentionMetadata
+from workers.model.loader import load_model
+from workers.prefix import PrefixSharing
+
+PROMPT = [(i * 37 + 11) % 250 for i in range(200)]  # 12 full blocks of 16, then 8 tokens
+OTHERS = [[(i * 13 + k * 101) % 250 for i in range(200)] for k in range(1, 6)]
+INT8_LOGIT_ATOL = 0.05  # tiny model, logits of O(1..10): INT8 K/V moves them by ~1e-2
+
+
+def _engine(url: str, prefix: str, quant: Quant, num_blocks: int, lock_url: str | None = None
+            ) -> tuple[Engine, ColdTier]:
+    hooks = ColdTierHooks()
+    engine = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=num_blocks, max_model_len=512), hooks=hooks)
+    lock_client = redis.Redis.from_url(lock_url) if lock_url else None  # as in production: locks on the state instance
+    hooks.tier = ColdTier(connect(url), Keys(prefix), engine.block_manager.fingerprint, engine.kv_cache, quant=quant,
+                          ttl_s=120, grace_s=60, lock_client=lock_client)
+    return engine, hooks.tier
+
+
+def _spill_worker(url: str, prefix: str, quant: str) -> None:
+    """Another worker process: serves PROMPT, then three other prompts that evict it."""
+    torch.set_num_threads(1)
+    engine, tier = _engine(url, prefix, Quant(quant), num_blocks=40)  # room for 3 prompts: the later ones evict it
+    engine.generate("p", PROMPT, 4)
+    for k, other in enumerate(OTHERS):
+        engine.generate(f"o{k}", other, 4)
+    assert tier.flush(30), "spill queue did not drain"
+    engine.shutdown()
+    tier.close()
+
+
+def _run_in_process(target, *args) -> None:
+    proc = mp.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0, f"child exited with {proc.exitcode}"
+
+
+def _last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
+    """Next-token logits of `prompt` over whatever prefix blocks the pool holds for it,
+    computing only the rest (into blocks no sequence uses). Runs on the step thread."""
+    def compute() -> torch.Tensor:
+        bs = engine.block_manager.block_size
+        prefix = engine.cached_block_ids(engine.prefix_hashes(prompt))
+        start = len(prefix) * bs
+        scratch = list(engine.block_manager.free_unhashed)[: (len(prompt) - start + bs - 1) // bs]
+        table = prefix + scratch
+        n_new = len(prompt) - start
+        slots = [table[p // bs] * bs + p % bs for p in range(start, len(prompt))]
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, n_new], dtype=torch.int32), context_lens=torch.tensor([len(prompt)], dtype=torch.int32),
+            block_tables=torch.tensor([table], dtype=torch.int32), slot_mapping=torch.tensor(slots),
+            query_starts=(0, n_new), num_decode_seqs=0,
+        )
+        model = engine.loaded.model
+        with torch.inference_mode():
+            hidden = model(torch.tensor(prompt[start:]), torch.arange(start, len(prompt)), meta, engine.kv_cache)
+            return model.compute_logits(hidden[-1:])[0]
+    return engine.call_soon(compute).result(30)
+
+
+@pytest.mark.parametrize("quant", [Quant.NONE, Quant.INT8])
+def test_prefix_spilled_by_one_process_is_loaded_by_another(cache_redis_url, prefix, quant):
+    cold_run = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=64, max_model_len=512))
+    expected = cold_run.generate("cold", PROMPT, 16).tokens
+    expected_logits = _last_logits(cold_run, PROMPT)
+    cold_run.shutdown()
+
+    _run_in_process(_spill_worker, cache_redis_url, prefix, quant.value)
+    stored = list(redis.Redis.from_url(cache_redis_url).scan_iter(f"{prefix}:kv:*"))
+    assert len(stored) >= 12, "the evicted prompt blocks were not spilled"
+
+    engine, tier = _engine(cache_redis_url, prefix, quant, num_blocks=64)
+    try:
+        result = engine.generate("warm", PROMPT, 16)
+        stats = engine.stats()
+        assert result.tokens == expected  # greedy: exact for fp32, and on the tiny model for INT8 too
+        assert stats.outside_cache_hits == 12 and result.cached_tokens == 12 * 16
+        assert stats.prompt_tokens_computed == len(PROMPT) - 12 * 16  # only the tail was prefilled
+        logits = _last_logits(engine, PROMPT)
+        if quant is Quant.NONE:
+            assert torch.equal(logits, expected_logits)
+        else:
+            assert torch.allclose(logits, expected_logits, atol=INT8_LOGIT_ATOL), (logits - expected_logits).abs().max()
+    finally:
+        engine.shutdown()
+        tier.close()
+
+
+def _sharing_worker(url: str, state_url: str, prefix: str, results, barrier) -> None:
+    torch.set_num_threads(1)
+    engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url)
+    sharing = PrefixSharing(engine, tier, min_blocks=4)
+    barrier.wait()  # all processes ask at the same moment
+    source = sharing.prepare("job", PROMPT)
+    tokens = engine.generate("job", PROMPT, 8).tokens
+    results.put((source.value if source else None, engine.stats().prompt_tokens_computed, tokens))
+    engine.shutdown()
+    tier.close()
+
+
+def test_a_missing_shared_prefix_is_prefilled_once_across_processes(cache_redis_url, redis_url, prefix):
+    ctx = mp.get_context("spawn")
+    results, barrier = ctx.Queue(), ctx.Barrier(3)
+    procs = [ctx.Process(target=_sharing_worker, args=(cache_redis_url, redis_url, prefix, results, barrier))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    sources = sorted(o[0] for o in outcomes)
+    assert sources == [PrefixSource.BUILT.value, PrefixSource.COLD.value, PrefixSource.COLD.value]
+    # The two that waited prefilled only the tail past the shared blocks.
+    computed = sorted(o[1] for o in outcomes)
+    assert computed[:2] == [len(PROMPT) - 12 * 16] * 2
+    assert len({tuple(o[2]) for o in outcomes}) == 1  # everyone generated the same tokens
