@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping, Optional, TypeVar
 
 from kvfleet import constants
+from kvfleet.contracts import Priority
+
+T = TypeVar("T", int, float)
 
 
 def _env(env: Mapping[str, str], name: str, default: str) -> str:
@@ -38,6 +41,24 @@ def _float(env: Mapping[str, str], name: str, default: float, *, gt: float | Non
         raise ValueError(f"KVFLEET_{name}={raw!r} is not a number") from None
     if gt is not None and not value > gt:
         raise ValueError(f"KVFLEET_{name}={value} must be > {gt}")
+    return value
+
+
+def _optional(env: Mapping[str, str], name: str, parse: Callable[[str], T]) -> Optional[T]:
+    """An override that is None when unset (the consumer's own default applies)."""
+    raw = env.get(f"KVFLEET_{name}", "").strip()
+    if not raw:
+        return None
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ValueError(f"KVFLEET_{name}={raw!r} is not {'an integer' if parse is int else 'a number'}") from None
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = _env(env, name, default).strip().lower()
+    if value not in allowed:
+        raise ValueError(f"KVFLEET_{name}={value!r} must be one of {', '.join(allowed)}")
     return value
 
 
@@ -111,6 +132,17 @@ class ApiSettings:
     max_wait_s: float = 60.0
     #: Default SLA for jobs that give no timeout, seconds (sets their deadline).
     default_timeout_s: float = 600.0
+    #: Most jobs a class may have waiting on Kafka for the scheduler (its consumer lag)
+    #: before submissions of that class get 429 + Retry-After. High's bound is the
+    #: smallest: a long high backlog already means high latency.
+    max_backlog: Mapping[Priority, int] = field(default_factory=lambda: {
+        Priority.HIGH: 1_000, Priority.NORMAL: 5_000, Priority.LOW: 10_000})
+    #: Overload, when bronze submissions get 503: the ledger holds at least this fraction
+    #: of the fleet's budget *and* at least `overload_backlog` jobs wait on Kafka.
+    overload_utilization: float = 0.9
+    #: 64 = one class's scheduler buffer (`max_buffered`): more waiting than the
+    #: scheduler can even look at.
+    overload_backlog: int = 64
 
 
 @dataclass(frozen=True)
@@ -119,6 +151,49 @@ class SchedulerSettings:
     #: How long one poll waits for records, ms.
     poll_timeout_ms: int = 200
     max_poll_records: int = 500
+    #: How long one poll waits while jobs wait for budget, ms: how soon tokens that a
+    #: finishing job released are noticed (the ledger is read after every poll).
+    busy_poll_ms: int = 20
+    #: An operator's cap on the fleet's token budget; 0 = the live workers' KV capacity.
+    capacity_ceiling_tokens: int = 0
+    #: A reservation's lease from admission until a worker starts the job and renews
+    #: it, seconds. It must cover the wait in the Celery queue: an expired lease is
+    #: reclaimed and the job sent again (harmless, but its tokens are counted late).
+    admit_lease_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Overrides of `scheduler.policy.PolicyConfig`, whose defaults (and their reasons)
+    live there; None keeps the default. `classes` maps a class to its overridden
+    `share`, `max_wait_s` and `reserve_after_s`."""
+
+    base_ceiling_tokens: Optional[int] = None
+    aging_s: Optional[float] = None
+    classes: Mapping[Priority, Mapping[str, float]] = field(default_factory=dict)
+    gold_reserve: Optional[float] = None
+    silver_burst: Optional[float] = None
+    bronze_limit: Optional[float] = None
+    bronze_shed_after_s: Optional[float] = None
+    max_buffered: Optional[int] = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "PolicySettings":
+        classes = {}
+        for p in Priority:
+            knobs = {k: _optional(env, f"{p.value.upper()}_{k.upper()}", float)
+                     for k in ("share", "max_wait_s", "reserve_after_s")}
+            classes[p] = {k: v for k, v in knobs.items() if v is not None}
+        return cls(
+            base_ceiling_tokens=_optional(env, "BASE_CEILING_TOKENS", int),
+            aging_s=_optional(env, "AGING_S", float),
+            classes={p: c for p, c in classes.items() if c},
+            gold_reserve=_optional(env, "GOLD_RESERVE", float),
+            silver_burst=_optional(env, "SILVER_BURST", float),
+            bronze_limit=_optional(env, "BRONZE_LIMIT", float),
+            bronze_shed_after_s=_optional(env, "BRONZE_SHED_AFTER_S", float),
+            max_buffered=_optional(env, "MAX_BUFFERED", int),
+        )
 
 
 @dataclass(frozen=True)
@@ -140,13 +215,35 @@ class WorkerSettings:
 
 
 @dataclass(frozen=True)
+class ColdTierSettings:
+    """The KV cache's Redis tier (kvstore/), on the cache instance (`RedisSettings.cache_url`)."""
+
+    enabled: bool = True
+    #: Logical lifetime of a spilled block, seconds; the key lives `grace_s` longer and
+    #: both are jittered ±10% so blocks spilled together do not expire together.
+    ttl_s: float = 3600.0
+    grace_s: float = 600.0
+    #: "none" keeps the pool's dtype; "int8" halves the bytes of fp16 blocks.
+    quant: str = "none"
+    #: Bytes of evicted blocks queued for the spill thread before spills are dropped
+    #: (counted), so a slow Redis never stalls the engine.
+    spill_max_bytes: int = 256 * 2**20
+    #: A prompt prefix of at least this many full blocks that is in neither tier is
+    #: prefilled by one worker of the fleet while the others wait for it (stampede
+    #: protection); shorter ones are cheaper to recompute than to coordinate.
+    single_flight_min_blocks: int = 4
+
+
+@dataclass(frozen=True)
 class Settings:
     kafka: KafkaSettings = KafkaSettings()
     redis: RedisSettings = RedisSettings()
     model: ModelSettings = ModelSettings()
     api: ApiSettings = ApiSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    policy: PolicySettings = PolicySettings()
     worker: WorkerSettings = WorkerSettings()
+    cold_tier: ColdTierSettings = ColdTierSettings()
     log_level: str = "INFO"
 
     @classmethod
@@ -179,12 +276,20 @@ class Settings:
                 default_tenant=_env(env, "DEFAULT_TENANT", "default"),
                 max_wait_s=_float(env, "MAX_WAIT_S", 60.0, gt=0),
                 default_timeout_s=_float(env, "DEFAULT_TIMEOUT_S", 600.0, gt=0),
+                max_backlog={p: _int(env, f"MAX_BACKLOG_{p.value.upper()}", n, lo=1)
+                             for p, n in ApiSettings().max_backlog.items()},
+                overload_utilization=_float(env, "OVERLOAD_UTILIZATION", 0.9, gt=0),
+                overload_backlog=_int(env, "OVERLOAD_BACKLOG", 64, lo=0),
             ),
             scheduler=SchedulerSettings(
                 metrics_port=_int(env, "SCHEDULER_METRICS_PORT", 9101, lo=0),
                 poll_timeout_ms=_int(env, "POLL_TIMEOUT_MS", 200, lo=1),
                 max_poll_records=_int(env, "MAX_POLL_RECORDS", 500, lo=1),
+                busy_poll_ms=_int(env, "BUSY_POLL_MS", 20, lo=1),
+                capacity_ceiling_tokens=_int(env, "CAPACITY_CEILING_TOKENS", 0, lo=0),
+                admit_lease_s=_float(env, "ADMIT_LEASE_S", 60.0, gt=0),
             ),
+            policy=PolicySettings.from_env(env),
             worker=WorkerSettings(
                 metrics_port=_int(env, "WORKER_METRICS_PORT", 9102, lo=0),
                 concurrency=_int(env, "WORKER_CONCURRENCY", 0, lo=0),
@@ -193,6 +298,14 @@ class Settings:
                 max_num_seqs=_int(env, "MAX_NUM_SEQS", 64, lo=1),
                 max_num_batched_tokens=_int(env, "MAX_NUM_BATCHED_TOKENS", 2048, lo=1),
                 visibility_timeout_s=_float(env, "VISIBILITY_TIMEOUT_S", 300.0, gt=0),
+            ),
+            cold_tier=ColdTierSettings(
+                enabled=_bool(env, "COLD_TIER", True),
+                ttl_s=_float(env, "COLD_TTL_S", 3600.0, gt=0),
+                grace_s=_float(env, "COLD_GRACE_S", 600.0, gt=0),
+                quant=_choice(env, "COLD_QUANT", "none", ("none", "int8")),
+                spill_max_bytes=_int(env, "COLD_SPILL_MAX_BYTES", 256 * 2**20, lo=0),
+                single_flight_min_blocks=_int(env, "PREFIX_SINGLE_FLIGHT_MIN_BLOCKS", 4, lo=1),
             ),
             log_level=_env(env, "LOG_LEVEL", "INFO").upper(),
         )
