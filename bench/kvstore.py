@@ -11,7 +11,8 @@ same machine load; medians are reported. Target: cold-tier load ≥ 70% of plain
 
 The stampede: 4 processes × 50 threads ask for one missing prefix at once through
 ColdTier.ensure_prefix; the prefill (a sleep standing in for the model, then a store)
-is counted in Redis. TTFT needs the engine: see measure_ttft (TODO, null until then).
+is counted in Redis. TTFT: one 2,048-token prompt on the benchmark model, recomputed vs
+loaded from the cold tier vs found in the hot pool (measure_ttft).
 
 Block pools live on --device (default: cuda when available, else cpu). Prints a table,
 writes <out>/kvstore.json and <out>/kvstore.png. Uses the local cache Redis that
@@ -198,17 +199,52 @@ def stampede(url: str, *, use_lock: bool) -> dict:
 
 
 # --- TTFT ----------------------------------------------------------------------------
-def measure_ttft() -> dict:
-    # TODO(lead, once workers.engine lands): time to first token of one long prompt
-    # (e.g. 2048 tokens = 128 blocks) on one engine, three ways, median of a few runs:
-    #   recompute: empty pool and empty cold tier, the whole prompt is prefilled;
-    #   cold:      run it once, evict the pool (or a fresh engine), keep Redis: the
-    #              blocks come back through ColdTierHooks.on_admit (ColdTier.load);
-    #   hot:       run it again with its blocks still in the pool.
-    # Then fill ttft_cold_over_recompute = cold / recompute and
-    # ttft_hot_over_recompute = hot / recompute, and drop the note.
-    return {"ttft_cold_over_recompute": None, "ttft_hot_over_recompute": None,
-            "ttft_note": "null until workers.engine exists: TODO in bench/kvstore.py measure_ttft()"}
+TTFT_PROMPT_TOKENS = 2048
+
+
+def measure_ttft(url: str, runs: int) -> dict:
+    """Time to first token of one 2,048-token prompt on the benchmark model, three ways:
+    recompute (empty pool, empty cold tier), cold (a fresh pool, the prompt's blocks in
+    Redis, loaded by the engine's admission hook) and hot (blocks still in the pool).
+    Medians of `runs`; each run uses fresh keys."""
+    from kvstore.hooks import ColdTierHooks
+    from workers.engine import Engine, EngineConfig
+    from workers.model.loader import load_model
+
+    model = load_model("builtin:bench")
+    prompt = [(i * 7919 + 13) % 256 for i in range(TTFT_PROMPT_TOKENS)]
+
+    def engine(prefix: str) -> tuple[Engine, ColdTier]:
+        hooks = ColdTierHooks()
+        e = Engine(model, EngineConfig(max_num_batched_tokens=TTFT_PROMPT_TOKENS), hooks=hooks)
+        hooks.tier = ColdTier(connect(url), Keys(prefix), e.block_manager.fingerprint, e.kv_cache)
+        return e, hooks.tier
+
+    def ttft(e: Engine, request_id: str) -> float:
+        started = time.time()
+        return e.generate(request_id, prompt, 1).first_token_at - started
+
+    samples: dict[str, list[float]] = {"recompute": [], "cold": [], "hot": []}
+    for run in range(runs):
+        prefix = f"bench{uuid.uuid4().hex[:8]}"
+        first, tier = engine(prefix)
+        samples["recompute"].append(ttft(first, f"r{run}"))
+        hashes = first.prefix_hashes(prompt)
+        # Publish the blocks as the fleet's single-flight prefill does (workers/prefix.py).
+        tier.write(first.call_soon(lambda: tier.copy_out(hashes, first.cached_block_ids(hashes))).result())
+        samples["hot"].append(ttft(first, f"h{run}"))
+        second, tier2 = engine(prefix)
+        samples["cold"].append(ttft(second, f"c{run}"))
+        if second.stats().outside_cache_hits != len(hashes):
+            raise RuntimeError("the cold run did not load the whole prefix from Redis")
+        for e, t in ((first, tier), (second, tier2)):
+            e.shutdown()
+            t.close()
+        cleanup(redis.Redis.from_url(url), prefix)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {"ttft_s": med, "ttft_runs": samples,
+            "ttft_cold_over_recompute": med["cold"] / med["recompute"],
+            "ttft_hot_over_recompute": med["hot"] / med["recompute"]}
 
 
 # --- report --------------------------------------------------------------------------
@@ -268,7 +304,7 @@ def main() -> None:
         "load_vs_plain_redis": rows["cold load fp16"]["wire_gbps"] / rows["plain MGET"]["wire_gbps"],
         "spill_vs_plain_redis": rows["cold spill fp16"]["wire_gbps"] / rows["plain SET"]["wire_gbps"],
         "int8_bytes_vs_fp16": tp["blob_bytes"]["int8"] / tp["blob_bytes"]["none"],
-        **measure_ttft(),
+        **measure_ttft(url, 2 if args.quick else 5),
         "stampede_prefills_with_lock": with_lock["prefills"],
         "stampede_prefills_without_lock": without_lock["prefills"],
         "stampede": {"with_lock": with_lock, "without_lock": without_lock},
@@ -283,7 +319,10 @@ def main() -> None:
     for name, s in result["stampede"].items():
         print(f"stampede {name:<13} {s['prefills']:>4} prefills for {s['requests']} requests, "
               f"p50 {s['p50_s']:.2f}s p99 {s['p99_s']:.2f}s, wall {s['wall_s']:.1f}s")
-    print("ttft_cold_over_recompute, ttft_hot_over_recompute: null (" + result["ttft_note"] + ")")
+    t = result["ttft_s"]
+    print(f"TTFT of a {TTFT_PROMPT_TOKENS}-token prompt (builtin:bench): recompute {t['recompute'] * 1e3:.0f} ms, "
+          f"cold hit {t['cold'] * 1e3:.0f} ms ({result['ttft_cold_over_recompute']:.2f}x, target <= 0.3x), "
+          f"hot hit {t['hot'] * 1e3:.0f} ms ({result['ttft_hot_over_recompute']:.2f}x)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kvstore.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / "kvstore.png")
