@@ -100,3 +100,26 @@ def test_cli_submit_waits_and_prints_the_result(make_fleet):
     assert out.returncode == 0, out.stderr
     result = msgspec.json.decode(out.stdout)
     assert result["status"] == "done" and result["priority"] == "high" and len(result["tokens"]) == 5
+
+
+def test_forty_concurrent_jobs_are_batched_by_one_worker(make_fleet, local_engine):
+    from tests.fleet import free_port
+
+    port = free_port()
+    fleet = make_fleet(workers=1, extra_env={"KVFLEET_WORKER_METRICS_PORT": str(port)})
+    prompts = [f"concurrent {i} " + "abc" * (i % 11) for i in range(40)]
+    with Client(fleet.url, tenant="acme") as client:
+        ids = [client.submit(p, max_new_tokens=32) for p in prompts]
+        results = [client.wait(job_id, timeout=180) for job_id in ids]
+    for prompt, result in zip(prompts, results):
+        assert result.status is JobState.DONE
+        assert result.tokens == expected_tokens(local_engine, prompt, 32, Sampling())
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    buckets = {}
+    for line in metrics.splitlines():
+        if line.startswith("kvfleet_engine_batch_size_sequences_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets[le] = float(line.rsplit(" ", 1)[1])
+    steps = buckets["+Inf"]
+    assert steps > buckets["1.0"], "every engine step ran a single sequence"
+    assert buckets["4.0"] < steps  # some step batched more than 4 jobs

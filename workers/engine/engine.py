@@ -290,6 +290,7 @@ class Engine:
         self._tokens_computed += batch.num_tokens
         self._generated += new_tokens
         self._last_batch = len(batch.seqs)
+        metrics.BATCH_SIZE.observe(self._last_batch)
         self._max_batch = max(self._max_batch, self._last_batch)
         metrics.GENERATED_TOKENS.inc(new_tokens)
 

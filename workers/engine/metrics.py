@@ -27,3 +27,7 @@ KV_BLOCKS_USED = Gauge("kvfleet_engine_kv_blocks_used", "KV pool blocks held by 
 KV_BLOCKS_FREE = Gauge("kvfleet_engine_kv_blocks_free", "KV pool blocks free (cached or empty)")
 PREFIX_CACHE_QUERIES = Counter("kvfleet_engine_prefix_cache_queries", "Full prompt blocks looked up in the pool")
 PREFIX_CACHE_HITS = Counter("kvfleet_engine_prefix_cache_hits", "Full prompt blocks found in the pool")
+BATCH_SIZE = Histogram(
+    "kvfleet_engine_batch_size_sequences", "Sequences computed together in one engine step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
