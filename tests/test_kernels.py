@@ -87,25 +87,16 @@ def test_triton_kernels_under_interpreter() -> None:
 test_triton_kernels_under_interpreter.__test__ = not INTERPRET  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("impl", [gather_sdpa, torch_attention], ids=["gather_sdpa", "torch_decode"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("batch", [DECODE, PREFILL, MIXED])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2)])
-def test_gather_sdpa_matches_reference(batch, hq, hkv, dtype, tol) -> None:
+def test_torch_attention_paths_match_reference(impl, batch, hq, hkv, dtype, tol) -> None:
+    # torch_attention takes its grouped decode path on DECODE; the NaN in unused pool
+    # slots would show any read past a sequence's context.
     q, kc, vc, cu, ctx, tables = make_batch(*batch, hq, hkv, 32, dtype)
     want = reference.paged_attention(q, kc, vc, cu, ctx, tables, 32**-0.5)
-    got = gather_sdpa.paged_attention(q, kc, vc, cu, ctx, tables, 32**-0.5)
-    assert max_err(got, want) <= tol
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("batch", [DECODE, PREFILL, MIXED])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2)])
-def test_torch_backend_attention_matches_reference(batch, hq, hkv, dtype, tol) -> None:
-    # DECODE takes the grouped decode path; the NaN in unused pool slots would show
-    # any read past a sequence's context.
-    q, kc, vc, cu, ctx, tables = make_batch(*batch, hq, hkv, 32, dtype)
-    want = reference.paged_attention(q, kc, vc, cu, ctx, tables, 32**-0.5)
-    got = torch_attention.paged_attention(q, kc, vc, cu, ctx, tables, 32**-0.5)
+    got = impl.paged_attention(q, kc, vc, cu, ctx, tables, 32**-0.5)
     assert max_err(got, want) <= tol
 
 
