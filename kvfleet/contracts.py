@@ -117,6 +117,10 @@ class JobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt: Optional[str] = None
     prompt_tokens: Optional[list[int]] = None
     sampling: Sampling = Sampling()
+    #: The prompt's length in tokens, counted by the API with the served model's tokenizer,
+    #: so the scheduler can reserve a job's KV tokens without tokenizing. Optional (an
+    #: additive v1 field): a job produced without it is tokenized by the scheduler.
+    prompt_len: Optional[Annotated[int, msgspec.Meta(ge=0)]] = None
     v: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:

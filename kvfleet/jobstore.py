@@ -7,13 +7,15 @@ Layout of `kvfleet:job:{job_id}` (a hash):
 
 Every write is a Lua script that checks the current state against the allowed
 transitions first, so a duplicate delivery (a second "admit", a second "finish") finds
-the job already moved and changes nothing. Every state change is also PUBLISHed on the
+the job already moved and changes nothing. Two of them also move the job's token
+reservation in the ledger with the state: `admit_many` (the scheduler) reserves,
+`finish` (the worker, or a cancel) releases. Every state change is also PUBLISHed on the
 job's events channel, which is what wakes a long-polling `GET /v1/jobs/{id}?wait=`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import msgspec
 import redis
@@ -79,6 +81,57 @@ redis.call('PUBLISH', KEYS[2], ARGV[1])
 return {1, cur}
 """
 
+# Admission of a batch, in order: each job's token reservation and its move to
+# "admitted", together or not at all, so a job that is cancelled, running or finished
+# is never reserved (the mirror of _FINISH, which releases). The reservation rule and
+# layout are the ledger's (scheduler/ledger.py _RESERVE: the reservations' sum plus the
+# job's tokens within the capacity; a job already reserved counts once and only has its
+# lease extended). One call per batch sums the ledger once, not once per job.
+# KEYS: ledger hash, ledger lease zset, ledger meta, then per job: job hash, events
+# ARGV: capacity, lease_s, admitted_at, admitted_by, then per job: job_id, tokens,
+#       meta ("tenant priority"), revive ('1': reserve it although running: its worker died)
+# Returns per job: state before the call ('' = no such job), 1 reserved | 0 not admissible | -1 full
+_ADMIT = """
+local t = redis.call('TIME')
+local deadline = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2])
+local capacity = tonumber(ARGV[1])
+local used = nil
+local out = {}
+for i = 1, (#KEYS - 3) / 2 do
+  local job, events = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
+  local id, tokens, meta, revive = ARGV[1 + 4 * i], tonumber(ARGV[2 + 4 * i]), ARGV[3 + 4 * i], ARGV[4 + 4 * i]
+  local cur = redis.call('HGET', job, 'state')
+  local code = 0
+  if cur == 'queued' or cur == 'admitted' or (cur == 'running' and revive == '1') then
+    if redis.call('HEXISTS', KEYS[1], id) == 1 then
+      redis.call('ZADD', KEYS[2], 'GT', deadline, id)
+      code = 1
+    else
+      if not used then
+        used = 0
+        for _, v in ipairs(redis.call('HVALS', KEYS[1])) do used = used + tonumber(v) end
+      end
+      if used + tokens <= capacity then
+        redis.call('HSET', KEYS[1], id, tokens)
+        redis.call('ZADD', KEYS[2], deadline, id)
+        redis.call('HSET', KEYS[3], id, meta)
+        used = used + tokens
+        code = 1
+      else
+        code = -1
+      end
+    end
+    if code == 1 and cur == 'queued' then
+      redis.call('HSET', job, 'state', 'admitted', 'admitted_at', ARGV[3], 'admitted_by', ARGV[4])
+      redis.call('PUBLISH', events, 'admitted')
+    end
+  end
+  table.insert(out, cur or '')
+  table.insert(out, code)
+end
+return out
+"""
+
 _TIMING_FIELDS = ("queued_at", "admitted_at", "started_at", "finished_at")
 
 
@@ -108,6 +161,22 @@ class Transition(msgspec.Struct, frozen=True):
     previous: Optional[str]  # state before the call; None when the job does not exist
 
 
+class Admit(msgspec.Struct, frozen=True):
+    """One job to admit: reserve `tokens` for it and move it to admitted."""
+
+    job_id: str
+    tokens: int
+    tenant: str
+    priority: Priority
+    revive: bool = False  # reserve it again although running: its worker died
+
+
+class Admitted(msgspec.Struct, frozen=True):
+    reserved: bool  # the job holds its reservation now: send it
+    full: bool  # not enough free tokens: try again later
+    previous: Optional[JobState]  # state before the call; None when the job does not exist
+
+
 class JobStore:
     def __init__(self, client: redis.Redis, keys: constants.Keys) -> None:
         self.client = client
@@ -115,6 +184,9 @@ class JobStore:
         self._create = client.register_script(_CREATE)
         self._transition = client.register_script(_TRANSITION)
         self._finish = client.register_script(_FINISH)
+        self._admit = client.register_script(_ADMIT)
+        ledger = keys.ledger
+        self._ledger_keys = [ledger, ledger + ":leases", ledger + ":meta"]
 
     def create(self, request: JobRequest) -> tuple[bool, JobState, str]:
         """Record a new job as queued. If the id exists, change nothing and return
@@ -135,21 +207,26 @@ class JobStore:
         ok, previous = self._transition(keys=[self.keys.job(job_id), self.keys.job_events(job_id)], args=args)
         return Transition(ok=bool(ok), previous=previous.decode() or None)
 
-    def finish(self, result: JobResult, *, lease_token: str = "") -> Transition:
+    def finish(self, result: JobResult, *, lease_token: str = "",
+               only_from: Optional[frozenset[JobState]] = None) -> Transition:
         """Write the terminal result, move the state and release the reservation, atomically.
-        With a lease token, only the current run-lease holder may finish."""
+        With a lease token, only the current run-lease holder may finish; with `only_from`,
+        only a job in one of those states (a subset of what the state machine allows)."""
         assert result.status.terminal, result.status
         job_id = result.job_id
+        sources = _sources(result.status)
+        if only_from is not None:
+            sources = ",".join(s for s in sources.split(",") if JobState(s) in only_from)
         ok, previous = self._finish(
-            keys=[self.keys.job(job_id), self.keys.job_events(job_id), self.keys.ledger,
-                  self.keys.ledger + ":leases", self.keys.run_lease(job_id)],
+            keys=[self.keys.job(job_id), self.keys.job_events(job_id), *self._ledger_keys[:2],
+                  self.keys.run_lease(job_id)],
             args=[result.status.value, encode(result), repr(result.timings.finished_at or 0.0),
-                  constants.RESULT_TTL_S, _sources(result.status), job_id, lease_token],
+                  constants.RESULT_TTL_S, sources, job_id, lease_token],
         )
         return Transition(ok=bool(ok), previous=previous.decode() or None)
 
     def fail(self, job_id: str, status: JobState, code: str, message: str, *, now: float,
-             lease_token: str = "") -> Transition:
+             lease_token: str = "", only_from: Optional[frozenset[JobState]] = None) -> Transition:
         """End a job that produced no output (failed, expired, rejected, cancelled)."""
         fields = self.client.hgetall(self.keys.job(job_id))
         current = result_from_hash(job_id, fields)
@@ -160,7 +237,7 @@ class JobStore:
             timings=msgspec.structs.replace(current.timings, finished_at=now),
             error=JobError(code=code, message=message),
         )
-        return self.finish(result, lease_token=lease_token)
+        return self.finish(result, lease_token=lease_token, only_from=only_from)
 
     def start(self, job_id: str, *, now: float, worker: str) -> Transition:
         """Mark the job running (again, on a takeover after a worker died) and count the
@@ -171,6 +248,29 @@ class JobStore:
                   "worker", worker, "attempts", "1"],
         )
         return Transition(ok=bool(ok), previous=previous.decode() or None)
+
+    def admit_many(self, jobs: Sequence[Admit], *, capacity: int, lease_s: float, now: float,
+                   by: str) -> list[Admitted]:
+        """Reserve and admit each job, in order, in one atomic call. A job already
+        admitted keeps (and extends) its reservation: admitting it again is how a lost
+        task is re-sent without counting its tokens twice."""
+        if not jobs:
+            return []
+        keys, args = list(self._ledger_keys), [capacity, lease_s, repr(now), by]
+        for job in jobs:
+            keys += [self.keys.job(job.job_id), self.keys.job_events(job.job_id)]
+            args += [job.job_id, job.tokens, f"{job.tenant} {job.priority.value}", "1" if job.revive else ""]
+        raw = self._admit(keys=keys, args=args)
+        return [Admitted(reserved=code == 1, full=code == -1, previous=JobState(prev.decode()) if prev else None)
+                for prev, code in zip(raw[::2], raw[1::2])]
+
+    def states(self, job_ids: Sequence[str]) -> list[Optional[JobState]]:
+        """Every job's state in one round trip (None: no such job)."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id), "state")
+            raw = pipe.execute()
+        return [JobState(r.decode()) if r else None for r in raw]
 
     def get(self, job_id: str) -> Optional[JobResult]:
         return result_from_hash(job_id, self.client.hgetall(self.keys.job(job_id)))

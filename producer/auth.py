@@ -1,8 +1,11 @@
 """Who is asking: an API key maps to exactly one tenant.
 
-With keys configured (`KVFLEET_API_KEYS`), every request must carry one
-(`Authorization: Bearer <key>` or `X-API-Key`), and `X-Tenant-ID`, if sent, must name
-the key's own tenant. Without keys (local development), `X-Tenant-ID` names the tenant.
+Keys come from `KVFLEET_TENANTS` (each tenant's `api_keys`) and `KVFLEET_API_KEYS`
+(`key:tenant`), joined by `scheduler.config.Tenancy`. With any key configured, every
+request must carry one (`Authorization: Bearer <key>` or `X-API-Key`), and
+`X-Tenant-ID`, if sent, must name the key's own tenant. Without keys, `X-Tenant-ID`
+names the tenant; it must be a configured one when tenants are configured (any name
+in development).
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import hmac
 from typing import Mapping, Optional
 
-from kvfleet.settings import ApiSettings
+from scheduler.config import Tenancy
+from scheduler.tenants import Tenant
 
 
 class AuthError(Exception):
@@ -20,18 +24,23 @@ class AuthError(Exception):
         self.message = message
 
 
-def resolve_tenant(api: ApiSettings, headers: Mapping[str, str], body_tenant: Optional[str] = None) -> str:
+def resolve_tenant(tenancy: Tenancy, headers: Mapping[str, str], body_tenant: Optional[str] = None, *,
+                   default_tenant: str = "default") -> Tenant:
     claimed = headers.get("x-tenant-id") or body_tenant
-    if not api.api_keys:
-        return claimed or api.default_tenant
-    key = headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
-    if not key:
-        raise AuthError(401, "missing API key: send `Authorization: Bearer <key>` or `X-API-Key: <key>`")
-    tenant = _lookup(api.api_keys, key)
+    if tenancy.keys:
+        key = headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
+        if not key:
+            raise AuthError(401, "missing API key: send `Authorization: Bearer <key>` or `X-API-Key: <key>`")
+        name = _lookup(tenancy.keys, key)
+        if name is None:
+            raise AuthError(401, "unknown API key")
+        if claimed and claimed != name:
+            raise AuthError(403, f"this API key belongs to another tenant than {claimed!r}")
+    else:
+        name = claimed or default_tenant
+    tenant = tenancy.get(name)
     if tenant is None:
-        raise AuthError(401, "unknown API key")
-    if claimed and claimed != tenant:
-        raise AuthError(403, f"this API key belongs to another tenant than {claimed!r}")
+        raise AuthError(403, f"unknown tenant {name!r}: send the X-Tenant-ID of a configured tenant")
     return tenant
 
 

@@ -4,6 +4,9 @@
     job_id = client.submit("Once upon a time", priority="high", max_new_tokens=32)
     result = client.wait(job_id, timeout=60)
     print(result.status, result.text)
+
+A refusal raises `ClientError` with the HTTP status and, for 429 / 503, `retry_after`
+(seconds) from the `Retry-After` header.
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ class Client:
     def get(self, job_id: str, *, wait: float = 0.0) -> JobResult:
         response = self._http.get(f"/v1/jobs/{job_id}", params={"wait": wait} if wait else None,
                                   timeout=wait + 30.0)
+        self._check(response)
+        return decode_result(response.content)
+
+    def cancel(self, job_id: str) -> JobResult:
+        """Cancel a job that has not ended; its result says `cancelled`. A job that
+        already ended raises ClientError 409."""
+        response = self._http.delete(f"/v1/jobs/{job_id}")
         self._check(response)
         return decode_result(response.content)
 

@@ -76,5 +76,6 @@ def build_request(
         prompt=submit.prompt,
         prompt_tokens=submit.prompt_tokens,
         sampling=submit.sampling,
+        prompt_len=prompt_len,  # the scheduler reserves by it, without a tokenizer
     )
     return request, prompt_len

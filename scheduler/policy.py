@@ -238,6 +238,13 @@ class Policy:
         replica; it keeps its place (its enqueue time is unchanged)."""
         self._buffer[job.priority].append(job)
 
+    def forget(self, partitions: set[Partition]) -> list[PendingJob]:
+        """Drop and return the buffered jobs read from `partitions` (revoked from this
+        replica: their new owner reads them again from the committed offsets)."""
+        gone = [v.job for v in self._rejected if (v.job.priority, v.job.partition) in partitions]
+        self._rejected = [v for v in self._rejected if (v.job.priority, v.job.partition) not in partitions]
+        return gone + self._take(lambda j: (j.priority, j.partition) in partitions)
+
     def schedule(self, now: float, budget: Budget) -> Decision:
         """Decide what leaves the buffer now; the admitted are removed, in admission order."""
         rejected, self._rejected = tuple(self._rejected), []

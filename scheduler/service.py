@@ -1,67 +1,131 @@
-"""`kvfleet-scheduler`: consumes the priority topics and dispatches jobs to the workers.
+"""`kvfleet-scheduler`: reads the priority topics, admits jobs into the fleet's KV token
+budget, and hands them to the workers.
 
-The loop, top to bottom: poll a batch → order it high, normal, low → for each record,
-decode (or dead-letter) and admit → commit the batch's offsets. Offsets are committed
-only after every job in the batch is durably admitted (state in Redis, task in the
-broker) or dead-lettered; a crash before the commit redelivers the batch, and admission
-is idempotent by job id, so nothing is lost and nothing runs twice.
+One loop iteration, top to bottom (each step is a method below):
+  poll      records of every partition not paused
+  intake    decode each record (or dead-letter it); then by the job's state: buffer it
+            in the policy (queued), send it again (admitted: a crash or rebalance fell
+            between admission and commit), or skip it (running, finished, cancelled)
+  reclaim   reservations whose lease ran out (their worker died): send those jobs again
+  schedule  the policy (scheduler/policy.py) decides on the budget: live capacity from
+            the workers' heartbeats, tokens in use from the ledger
+  dispatch  reserve + admit + send the jobs to send again, then the policy's choice
+  refuse    expire, reject and shed what the policy turned away
+  pause     pause / resume partitions as the policy's buffer fills and drains
+  commit    per partition, up to its oldest record still undecided
+
+Nothing is lost and nothing runs twice: an offset is committed only once its job is
+durably admitted, refused or dead-lettered (`OffsetBook`); a job is admitted with its
+reservation in one atomic step that refuses any job not queued (or admitted: a re-send
+that counts nothing twice), so a restarted replica or a rebalance may read a job again
+but never reserves or runs it twice. Memory stays bounded: the policy pauses a class's
+partitions once it buffers `max_buffered` jobs, so at most 3 × max_buffered + one poll
+(`max_poll_records`) jobs are held; the rest waits in Kafka.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
 import time
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
 
 import redis
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from kafka.errors import CommitFailedError, KafkaError
+from prometheus_client import start_http_server
 
 from kvfleet import logs
-from kvfleet.contracts import Priority
+from kvfleet.contracts import JobRequest, JobState, Priority, job_token_cost
 from kvfleet.jobstore import JobStore
 from kvfleet.kafka import ensure_topics, make_consumer, make_producer
 from kvfleet.settings import Settings
-from scheduler.dispatch import Dispatcher
-from scheduler.intake import Rejected, decode_record, dlq_headers, job_id_hint
+from scheduler import metrics as m
+from scheduler.capacity import FleetCapacity
+from scheduler.config import Tenancy, policy_config
+from scheduler.dispatch import Dispatcher, Ticket
+from scheduler.intake import PromptLength, Rejected, decode_record, dlq_headers, job_id_hint
+from scheduler.ledger import Ledger
+from scheduler.offsets import OffsetBook, Revocations
+from scheduler.policy import Budget, Decision, PendingJob, Policy, Verdict
 from workers.celery_app import make_celery
 
 log = logging.getLogger("kvfleet.scheduler")
 
-CONSUMED = Counter("kvfleet_scheduler_records_consumed", "Kafka records read", ["priority"])
-OUTCOMES = Counter("kvfleet_scheduler_jobs", "Jobs by admission outcome", ["priority", "outcome"])
-DEAD = Counter("kvfleet_scheduler_dead_lettered", "Records sent to the dead-letter topic", ["reason"])
-QUEUE_DELAY = Histogram("kvfleet_scheduler_queue_delay_seconds", "Submission to dispatch", ["priority"],
-                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-LAG = Gauge("kvfleet_scheduler_consumer_lag_messages", "Messages not yet consumed", ["priority"])
-RETRIES = Counter("kvfleet_scheduler_batch_retries", "Batches re-read after a dispatch failure")
+#: Leases are seconds long, and a reclaim scans the ledger: once a second is enough.
+RECLAIM_EVERY_S = 1.0
+OBSERVE_EVERY_S = 1.0
+#: A synchronous commit costs a Kafka round trip (ms); under load, one per this many
+#: seconds. A crash then re-reads at most this much of decided records, which intake
+#: recognises by their state. When the topics are quiet, commits go out at once.
+COMMIT_EVERY_S = 0.1
+_FAILURES = (redis.RedisError, KafkaError, OSError)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A job buffered in the policy, and the record it came from."""
+
+    job: PendingJob
+    ticket: Ticket
+    tp: TopicPartition
+    offset: int
 
 
 class SchedulerService:
     def __init__(self, settings: Settings, consumer: KafkaConsumer, dlq_producer: KafkaProducer,
-                 dispatcher: Dispatcher) -> None:
+                 dispatcher: Dispatcher, ledger: Ledger, capacity: FleetCapacity, tenancy: Tenancy,
+                 prompt_len: Callable[[JobRequest], int]) -> None:
         self.settings = settings
         self.consumer = consumer
         self.dlq = dlq_producer
         self.dispatcher = dispatcher
+        self.store: JobStore = dispatcher.store
+        self.ledger = ledger
+        self.capacity = capacity
+        self.tenancy = tenancy
+        self.prompt_len = prompt_len
+        self.policy = Policy(policy_config(settings.policy), tenancy.tenants)
         self.stopping = threading.Event()
+        self.waiting: dict[str, Waiting] = {}  # buffered in the policy, by job id
+        self.resend: dict[str, Ticket] = {}  # admitted already: send again, outside the policy
+        self.offsets = OffsetBook()
+        self.revocations = Revocations()
         self._priority_of = {t: p for t, p in zip(settings.kafka.topics, Priority)}
-        self._last_lag = 0.0
+        self._topic_of = {p: t for t, p in self._priority_of.items()}
+        self._next_reclaim = self._next_observe = self._next_commit = 0.0
 
     def run(self) -> None:
         self.wait_for_topics()
-        self.consumer.subscribe(self.settings.kafka.topics)
+        self.consumer.subscribe(self.settings.kafka.topics, listener=self.revocations)
         log.info("scheduler consuming", extra={"topics": self.settings.kafka.topics, "group": self.settings.kafka.group})
         while not self.stopping.is_set():
-            batch = self.poll()
-            if batch:
-                self.process(batch)
-            self.update_lag()
+            try:
+                self.step()
+            except _FAILURES as exc:
+                # Every step leaves its jobs waiting or settled, never half done: retry.
+                m.LOOP_ERRORS.inc()
+                log.error("scheduler step failed; retrying in 1 s", extra={"error": f"{type(exc).__name__}: {exc}"})
+                self.stopping.wait(1.0)
         log.info("scheduler stopping: stop requested")
+
+    def step(self) -> None:
+        records = self.poll()
+        self.forget_revoked()
+        self.intake(records)
+        self.reclaim()
+        now = time.time()
+        decision = self.policy.schedule(now, self.budget())
+        self.dispatch(decision, now)
+        self.refuse(decision, now)
+        self.pause()
+        self.commit(force=not records)
+        self.observe()
 
     def wait_for_topics(self, timeout_s: float = 60.0) -> None:
         """Join the group only once this client has metadata for every topic: a member
@@ -74,83 +138,238 @@ class SchedulerService:
             time.sleep(0.2)
 
     def poll(self) -> list[ConsumerRecord]:
-        polled = self.consumer.poll(timeout_ms=self.settings.scheduler.poll_timeout_ms,
-                                    max_records=self.settings.scheduler.max_poll_records)
-        records = [r for rs in polled.values() for r in rs]
-        # High first; within a class, Kafka order (per partition) is kept by the stable sort.
-        records.sort(key=lambda r: self._priority_of[r.topic].rank)
-        return records
+        s = self.settings.scheduler
+        # Jobs waiting for budget: come back soon to see the tokens finishing jobs free.
+        timeout = s.busy_poll_ms if self.policy.pending() or self.resend else s.poll_timeout_ms
+        polled = self.consumer.poll(timeout_ms=timeout, max_records=s.max_poll_records)
+        return [r for rs in polled.values() for r in rs]
 
-    def process(self, records: list[ConsumerRecord]) -> None:
-        try:
-            for record in records:
-                self.handle(record)
-            self.dlq.flush(timeout=10)
-            self.consumer.commit()
-        except (redis.RedisError, KafkaError, OSError) as exc:
-            # Nothing of this batch is committed: rewind to its first offsets and retry.
-            # Records already admitted will be found admitted and re-sent, harmlessly.
-            RETRIES.inc()
-            log.error("batch failed; re-reading it", extra={"error": f"{type(exc).__name__}: {exc}"})
-            self.rewind(records)
-            time.sleep(1.0)
-
-    def handle(self, record: ConsumerRecord) -> None:
-        priority = self._priority_of[record.topic]
-        CONSUMED.labels(priority.value).inc()
-        try:
-            job = decode_record(record, priority)
-        except Rejected as rejected:
-            self.dead_letter(record, rejected)
+    def forget_revoked(self) -> None:
+        revoked = self.revocations.take()
+        if not revoked:
             return
-        now = time.time()
-        admission = self.dispatcher.admit(job, now=now)
-        OUTCOMES.labels(priority.value, admission.outcome).inc()
-        if admission.outcome == "dispatched":
-            QUEUE_DELAY.labels(priority.value).observe(max(0.0, now - job.submitted_at))
-        log.info(admission.outcome, extra={"job_id": job.job_id, "priority": priority.value, "tenant": job.tenant})
+        # Not committed, so their new owner reads them again; keeping them would admit twice.
+        dropped = self.policy.forget({(self._priority_of[tp.topic], tp.partition) for tp in revoked})
+        for job in dropped:
+            self.waiting.pop(job.job_id, None)
+        self.offsets.forget(revoked)
+        log.info("partitions revoked", extra={"partitions": sorted(map(str, revoked)), "dropped": len(dropped)})
+
+    def intake(self, records: list[ConsumerRecord]) -> None:
+        try:
+            jobs = self.decode(records)
+            states = self.store.states([j.job_id for _, _, j in jobs])
+        except _FAILURES:
+            self.rewind((TopicPartition(r.topic, r.partition), r.offset) for r in records)
+            raise
+        for i, ((tp, offset, job), state) in enumerate(zip(jobs, states)):
+            try:
+                self.triage(tp, offset, job, state)
+            except _FAILURES:
+                self.rewind((tp, offset) for tp, offset, _ in jobs[i:])
+                raise
+
+    def rewind(self, records: Iterable[tuple[TopicPartition, int]]) -> None:
+        """Read these records again on the next poll (the consumer's position has passed
+        them): per partition from the oldest, as each partition's records are taken in
+        order, none after it was buffered yet."""
+        first: dict[TopicPartition, int] = {}
+        for tp, offset in records:
+            first[tp] = min(first.get(tp, offset), offset)
+        for tp, offset in first.items():
+            self.consumer.seek(tp, offset)
+
+    def decode(self, records: list[ConsumerRecord]) -> list[tuple[TopicPartition, int, JobRequest]]:
+        """Valid jobs; the rest is dead-lettered (flushed before their offsets count as decided)."""
+        jobs, dead = [], []
+        for record in records:
+            tp, priority = TopicPartition(record.topic, record.partition), self._priority_of[record.topic]
+            m.CONSUMED.labels(priority.value).inc()
+            self.offsets.read(tp, record.offset)
+            try:
+                jobs.append((tp, record.offset, decode_record(record, priority)))
+            except Rejected as rejected:
+                self.dead_letter(record, rejected)
+                dead.append((tp, record.offset))
+        if dead:
+            self.dlq.flush(timeout=10)
+            for tp, offset in dead:
+                self.offsets.decided(tp, offset)
+        return jobs
+
+    def triage(self, tp: TopicPartition, offset: int, job: JobRequest, state: Optional[JobState]) -> None:
+        """Buffer the job in the policy, queue it to send again, or decide it now."""
+        if state is None:  # produced without the API (any Kafka client may): record it
+            _, state, _ = self.store.create(job)
+        tenant = self.tenancy.get(job.tenant)
+        if job.job_id in self.waiting or job.job_id in self.resend or state.terminal or state is JobState.RUNNING:
+            # A duplicated or redelivered message: the job's first copy decides its fate.
+            self.offsets.decided(tp, offset)
+            self.count(job, "cancelled" if state is JobState.CANCELLED else "duplicate")
+        elif tenant is None:
+            self.store.fail(job.job_id, JobState.REJECTED, "unknown_tenant",
+                            f"tenant {job.tenant!r} is not configured", now=time.time())
+            self.offsets.decided(tp, offset)
+            self.count(job, "rejected", "unknown_tenant")
+        elif state is JobState.ADMITTED:
+            # Admitted before a crash or rebalance; its task may never have been sent.
+            self.resend[job.job_id] = Ticket(job, job_token_cost(job, self.prompt_len(job)))
+            self.offsets.decided(tp, offset)  # durably admitted; a lost resend is reclaimed
+        else:
+            prompt = self.prompt_len(job)
+            pending = PendingJob.from_request(job, prompt_tokens=prompt, tier=tenant.tier, partition=tp.partition)
+            self.waiting[job.job_id] = Waiting(pending, Ticket(job, job_token_cost(job, prompt)), tp, offset)
+            self.policy.add(pending)
+
+    def reclaim(self) -> None:
+        if time.monotonic() < self._next_reclaim:
+            return
+        self._next_reclaim = time.monotonic() + RECLAIM_EVERY_S
+        for job_id in self.ledger.reclaim_expired():  # each id goes to exactly one replica
+            request = self.store.request(job_id)
+            if request is not None:
+                self.resend[job_id] = Ticket(request, job_token_cost(request, self.prompt_len(request)), revive=True)
+                log.warning("reservation lease expired; sending the job again", extra={"job_id": job_id})
+
+    def budget(self) -> Budget:
+        if not self.policy.pending():
+            return Budget(0, 0)  # nothing buffered to place: spare the two reads
+        usage = self.ledger.usage()
+        return Budget(self.capacity.read(), usage.in_use, usage.by_tenant, usage.by_class)
+
+    def dispatch(self, decision: Decision, now: float) -> None:
+        """The jobs to send again first (they were admitted before), then the policy's choice."""
+        chosen = [self.waiting[j.job_id] for j in decision.admit]
+        tickets = [*self.resend.values(), *(w.ticket for w in chosen)]
+        if not tickets:
+            return
+        try:
+            out = self.dispatcher.dispatch(tickets, capacity=self.capacity.read(), now=now)
+        except _FAILURES:
+            for w in chosen:  # all idempotent: they simply wait and go again
+                self.policy.requeue(w.job)
+            self.buffer_again([*decision.expire, *decision.reject, *decision.shed])  # `refuse` will not run
+            raise
+        for ticket, previous in out.sent:
+            self.sent(ticket, previous, now)
+        for ticket in out.full:
+            if ticket.request.job_id in self.waiting:  # another replica took the tokens first
+                self.policy.requeue(self.waiting[ticket.request.job_id].job)
+        for ticket, previous in out.skipped:  # cancelled or finished meanwhile
+            self.leave(ticket.request, "cancelled" if previous is JobState.CANCELLED else "duplicate")
+
+    def sent(self, ticket: Ticket, previous: JobState, now: float) -> None:
+        job = ticket.request
+        if previous is JobState.QUEUED:
+            m.QUEUE_DELAY.labels(job.priority.value).observe(max(0.0, now - job.submitted_at))
+            log.info("admitted", extra={"job_id": job.job_id, "priority": job.priority.value,
+                                        "tenant": job.tenant, "tokens": ticket.tokens})
+        self.leave(job, "admitted" if previous is JobState.QUEUED else "resent")
+
+    def refuse(self, decision: Decision, now: float) -> None:
+        verdicts = [(v, JobState.EXPIRED, "expired") for v in decision.expire]
+        verdicts += [(v, JobState.REJECTED, "rejected") for v in decision.reject]
+        verdicts += [(v, JobState.REJECTED, "shed") for v in decision.shed]
+        for i, (verdict, state, outcome) in enumerate(verdicts):
+            try:
+                # Only from queued: if a replica that took over the partition (this one
+                # having lost its membership unawares) admitted it meanwhile, it runs.
+                moved = self.store.fail(verdict.job.job_id, state, verdict.code, verdict.message, now=now,
+                                        only_from=frozenset({JobState.QUEUED}))
+            except _FAILURES:
+                self.buffer_again(v for v, _, _ in verdicts[i:])
+                raise
+            job = self.waiting[verdict.job.job_id].ticket.request
+            if moved.ok:
+                self.leave(job, outcome, verdict.code)
+            else:
+                self.leave(job, "cancelled" if moved.previous == JobState.CANCELLED.value else "duplicate")
+            log.info(outcome, extra={"job_id": verdict.job.job_id, "reason": verdict.code})
+
+    def buffer_again(self, verdicts: Iterable[Verdict]) -> None:
+        for verdict in verdicts:
+            self.policy.add(verdict.job)  # refused again on the next schedule
+
+    def leave(self, job: JobRequest, outcome: str, reason: str = "") -> None:
+        """The job leaves the scheduler's hands: its record is decided."""
+        waiting = self.waiting.pop(job.job_id, None)
+        self.resend.pop(job.job_id, None)
+        if waiting is not None:
+            self.offsets.decided(waiting.tp, waiting.offset)
+        self.count(job, outcome, reason)
+
+    def count(self, job: JobRequest, outcome: str, reason: str = "") -> None:
+        m.JOBS.labels(job.priority.value, job.tenant, outcome, reason).inc()
+
+    def pause(self) -> None:
+        """Make the consumer's paused partitions the policy's, among those assigned: a
+        rebalance forgets pauses, so the sets are compared rather than patched."""
+        assigned = self.consumer.assignment()
+        want = {TopicPartition(self._topic_of[p], n) for p, n in self.policy.paused} & assigned
+        have = self.consumer.paused()
+        if want - have:
+            self.consumer.pause(*(want - have))
+        if have - want:
+            self.consumer.resume(*(have - want))
+
+    def commit(self, *, force: bool = False) -> None:
+        if not force and time.monotonic() < self._next_commit:
+            return
+        due = self.offsets.due()
+        if not due:
+            return
+        self._next_commit = time.monotonic() + COMMIT_EVERY_S
+        try:
+            self.consumer.commit(offsets=due)
+        except CommitFailedError as exc:
+            # A rebalance took the partitions; their new owner starts from the last commit.
+            log.warning("commit refused", extra={"error": str(exc)})
+            return
+        self.offsets.committed(due)
+
+    def observe(self) -> None:
+        if time.monotonic() < self._next_observe:
+            return
+        self._next_observe = time.monotonic() + OBSERVE_EVERY_S
+        m.CAPACITY.set(self.capacity.read())
+        m.IN_USE.set(self.ledger.in_use())
+        assigned = self.consumer.assignment()
+        ends = self.consumer.end_offsets(list(assigned)) if assigned else {}
+        for p in Priority:
+            m.BUFFERED.labels(p.value).set(self.policy.pending(p))
+            m.PAUSED.labels(p.value).set(sum(1 for q, _ in self.policy.paused if q is p))
+            m.LAG.labels(p.value).set(sum(end - self.committable(tp) for tp, end in ends.items()
+                                          if self._priority_of[tp.topic] is p))
+
+    def committable(self, tp: TopicPartition) -> int:
+        """Lag counts from here, not from the fetch position: buffered jobs wait too."""
+        position = self.offsets.position(tp)
+        return position if position is not None else self.consumer.position(tp)
 
     def dead_letter(self, record: ConsumerRecord, rejected: Rejected) -> None:
         job_id = job_id_hint(record)
         self.dlq.send(self.settings.kafka.dlq, key=record.key, value=record.value or b"",
                       headers=dlq_headers(record, rejected, job_id))
-        DEAD.labels(rejected.reason).inc()
+        m.DEAD.labels(rejected.reason).inc()
         log.warning("dead-lettered", extra={"job_id": job_id, "reason": rejected.reason, "detail": rejected.detail,
                                             "topic": record.topic, "offset": record.offset})
 
-    def rewind(self, records: Iterable[ConsumerRecord]) -> None:
-        first: dict[TopicPartition, int] = {}
-        for r in records:
-            tp = TopicPartition(r.topic, r.partition)
-            first[tp] = min(first.get(tp, r.offset), r.offset)
-        for tp, offset in first.items():
-            self.consumer.seek(tp, offset)
 
-    def update_lag(self, every_s: float = 5.0) -> None:
-        if time.monotonic() - self._last_lag < every_s:
-            return
-        self._last_lag = time.monotonic()
-        assigned = self.consumer.assignment()
-        if not assigned:
-            return
-        try:
-            ends = self.consumer.end_offsets(list(assigned))
-        except KafkaError:
-            return
-        lag = {p: 0 for p in Priority}
-        for tp, end in ends.items():
-            lag[self._priority_of[tp.topic]] += max(0, end - self.consumer.position(tp))
-        for p, value in lag.items():
-            LAG.labels(p.value).set(value)
-
-
-def build(settings: Settings, *, client_id: str = "kvfleet-scheduler") -> SchedulerService:
+def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: Optional[Tenancy] = None,
+          ) -> SchedulerService:
     ensure_topics(settings.kafka)
-    store = JobStore(redis.Redis.from_url(settings.redis.url), settings.redis.keys)
-    dispatcher = Dispatcher(store, make_celery(settings), settings.redis.key_prefix)
-    consumer = make_consumer(settings.kafka, client_id=client_id,
-                             max_poll_records=settings.scheduler.max_poll_records)
-    return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"), dispatcher)
+    client = redis.Redis.from_url(settings.redis.url)
+    keys = settings.redis.keys
+    s = settings.scheduler
+    replica = f"{socket.gethostname()}-{os.getpid()}"
+    dispatcher = Dispatcher(JobStore(client, keys), make_celery(settings), settings.redis.key_prefix,
+                            lease_s=s.admit_lease_s, replica=replica)
+    capacity = FleetCapacity(client, keys, ceiling_tokens=s.capacity_ceiling_tokens or None)
+    consumer = make_consumer(settings.kafka, client_id=client_id, max_poll_records=s.max_poll_records)
+    return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"),
+                            dispatcher, Ledger(client, keys), capacity,
+                            tenancy or Tenancy.from_env(os.environ, settings.api.api_keys),
+                            PromptLength(settings.model.source))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -163,6 +382,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         signal.signal(sig, lambda *_: service.stopping.set())
     try:
         service.run()
+        service.commit(force=True)  # what was decided, so the next owner does not re-read it
     finally:
         service.consumer.close()  # leaves the group at once so partitions move without waiting
         service.dlq.close(timeout=5)

@@ -15,14 +15,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import httpx
+import msgspec
 import redis
 
 from kvfleet.constants import Keys
+from kvfleet.contracts import WorkerHeartbeat
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 MODULES = {"api": "producer.api", "scheduler": "scheduler.service", "worker": "workers.service"}
 
 
@@ -87,6 +90,49 @@ class Fleet:
             return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def submit(self, priority: str = "normal", *, prompt_len: int = 8, max_new_tokens: int = 8,
+               tenant: str = "acme", **body) -> str:
+        """A job of `prompt_len` + `max_new_tokens` tokens (the prompt is token ids, so the
+        cost is exact); its id."""
+        response = httpx.post(f"{self.url}/v1/jobs", headers={"X-Tenant-ID": tenant, "X-Priority": priority},
+                              json={"prompt_tokens": [7] * prompt_len, "max_new_tokens": max_new_tokens, **body})
+        assert response.status_code == 202, response.text
+        return response.json()["job_id"]
+
+    def field(self, job_id: str, name: str) -> Optional[str]:
+        raw = self.redis.hget(self.keys.job(job_id), name)
+        return raw.decode() if raw is not None else None
+
+    def state(self, job_id: str) -> Optional[str]:
+        return self.field(job_id, "state")
+
+    def wait_for(self, predicate: Callable[[], T], what: str, timeout: float = 30.0) -> T:
+        """Poll `predicate` until it returns something true; that value."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise TimeoutError(f"{what}: not within {timeout:.0f} s\n{self.logs()}")
+
+    def fake_capacity(self, tokens: int, *, name: str = "fake", ttl_s: float = 600.0) -> None:
+        """Publish a worker heartbeat without a worker: the scheduler sees `tokens` of
+        budget, and admitted jobs wait in the Celery queue until a test releases them."""
+        beat = WorkerHeartbeat(worker_id=name, model="builtin:tiny", fingerprint="fake", capacity_tokens=tokens,
+                               tokens_in_use=0, running=0, waiting=0, ts=time.time())
+        self.redis.set(self.keys.worker(name), msgspec.json.encode(beat), px=int(ttl_s * 1000))
+
+    def metrics(self, port: int) -> dict[str, float]:
+        """A service's Prometheus samples: {'name{label="v",...}': value}."""
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
 
     def live_workers(self) -> int:
         return len(list(self.redis.scan_iter(self.keys.workers_pattern)))

@@ -8,14 +8,25 @@ dispatched twice). The runner tells them apart with two facts in Redis:
     waits until that copy finishes (then acknowledges) or dies (then takes over).
 The result is written by `JobStore.finish`, which checks that this runner still holds
 the lease, so even a runner that stalled past its lease cannot write a second result.
+
+Tokens: the scheduler reserved the job's KV tokens in the ledger when it admitted it;
+the runner executing it renews that reservation with its run lease (`RunWatch`), and
+`finish` releases it in the same Lua call that writes the result. A duplicate copy
+never renews, reserves or releases anything.
+
+Cancellation: `DELETE /v1/jobs/{id}` moves the job to `cancelled` and releases its
+tokens at once; `RunWatch` sees the state and calls `engine.cancel`, which stops the
+job at its next step, and the runner records nothing more (the state is final).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import msgspec
 import redis
@@ -33,6 +44,8 @@ from kvfleet.contracts import (
 )
 from kvfleet.jobstore import JobStore
 from kvstore.lock import Lease
+from scheduler.ledger import Ledger
+from workers.engine import RequestCancelled
 
 log = logging.getLogger("kvfleet.worker")
 
@@ -43,6 +56,10 @@ class Generator(Protocol):
     def generate(self, request_id: str, prompt_tokens: list[int], max_new_tokens: int, sampling: Sampling, *,
                  priority_rank: int = 1, stop: tuple[str, ...] = ()) -> Completion: ...
 
+    def cancel(self, request_id: str) -> bool:
+        """Stop the request at the next step (`generate` raises RequestCancelled);
+        False if the engine does not hold it (not submitted yet, or finished)."""
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -52,8 +69,68 @@ class Tokenizer(Protocol):
 class Outcome:
     """How one delivery ended; `label` feeds the task-outcome metric."""
 
-    label: str  # done | failed | expired | duplicate | invalid
+    label: str  # done | failed | expired | cancelled | duplicate | invalid
     job_id: str | None
+
+
+class RunWatch:
+    """One thread per worker process looking after the jobs it executes right now:
+    it renews their ledger reservations alongside their run leases, and cancels in the
+    engine any job whose state became `cancelled`. One pipelined read per tick covers
+    every running job, so watching costs the same for one job or sixty-four."""
+
+    def __init__(self, store: JobStore, ledger: Ledger, cancel: Callable[[str], bool], *,
+                 lease_s: float = constants.RUN_LEASE_S, tick_s: float = 0.2) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.cancel = cancel
+        self.lease_s = lease_s
+        self.tick_s = tick_s  # the longest a cancelled job keeps running, plus one engine step
+        self._jobs: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, job_id: str) -> None:
+        """Watch a job that starts now; its reservation moves from the admission lease
+        (it covered the wait in the Celery queue) to the run lease at once."""
+        self.ledger.renew(job_id, self.lease_s)
+        with self._lock:
+            self._jobs.add(job_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="run-watch", daemon=True)
+                self._thread.start()
+
+    def discard(self, job_id: str) -> None:
+        with self._lock:
+            self._jobs.discard(job_id)
+
+    def _loop(self) -> None:
+        renew_every = max(1, int(self.lease_s / 3 / self.tick_s))  # a third of the lease, as the run lease
+        for tick in itertools.count(1):
+            time.sleep(self.tick_s)
+            with self._lock:
+                jobs = sorted(self._jobs)
+            if not jobs:
+                continue
+            try:
+                self._cancel_cancelled(jobs)
+                if tick % renew_every == 0:
+                    self._renew(jobs)
+            except redis.RedisError as exc:
+                log.warning("run watch: Redis unavailable", extra={"error": str(exc)})  # next tick retries
+
+    def _cancel_cancelled(self, jobs: list[str]) -> None:
+        for job_id, state in zip(jobs, self.store.states(jobs)):
+            # False while the job is not in the engine yet: the next tick tries again.
+            if state is JobState.CANCELLED and self.cancel(job_id):
+                log.info("cancelling in the engine", extra={"job_id": job_id})
+
+    def _renew(self, jobs: list[str]) -> None:
+        for job_id in jobs:
+            if not self.ledger.renew(job_id, self.lease_s):
+                # Released (finished, cancelled) since the read, or reclaimed after a stall:
+                # then the scheduler reserves it again when it re-sends the job.
+                log.debug("no reservation to renew", extra={"job_id": job_id})
 
 
 class JobRunner:
@@ -68,6 +145,7 @@ class JobRunner:
         self.lease_ms = int(lease_s * 1000)
         self.poll_s = poll_s
         self.clock = clock
+        self.watch = RunWatch(store, Ledger(client, store.keys), engine.cancel, lease_s=lease_s)
 
     def run(self, raw: dict) -> Outcome:
         try:
@@ -120,12 +198,21 @@ class JobRunner:
                             now=now, lease_token=lease.token)
             log.info("expired before start", extra={"job_id": job.job_id})
             return Outcome("expired", job.job_id)
-        self.store.start(job.job_id, now=now, worker=self.worker_id)
+        started = self.store.start(job.job_id, now=now, worker=self.worker_id)
+        if not started.ok:
+            # Cancelled (or ended) between the claim and the start: it must not run.
+            log.info("not started", extra={"job_id": job.job_id, "state": started.previous})
+            return Outcome("cancelled" if started.previous == JobState.CANCELLED.value else "duplicate", job.job_id)
+        self.watch.add(job.job_id)
         log.info("running", extra={"job_id": job.job_id, "priority": job.priority.value, "tenant": job.tenant})
         try:
             prompt = job.prompt_tokens if job.prompt_tokens is not None else self.tokenizer.encode(job.prompt or "")
             completion = self.engine.generate(job.job_id, prompt, job.max_new_tokens, job.sampling,
                                               priority_rank=job.priority.rank, stop=tuple(job.sampling.stop))
+        except RequestCancelled:
+            # The API already wrote `cancelled` and released the tokens; nothing to record.
+            log.info("cancelled", extra={"job_id": job.job_id})
+            return Outcome("cancelled", job.job_id)
         except ValueError as exc:  # the engine's own input checks (e.g. PromptTooLong)
             self.store.fail(job.job_id, JobState.FAILED, "invalid_request", str(exc), now=self.clock(),
                             lease_token=lease.token)
@@ -136,6 +223,8 @@ class JobRunner:
                             now=self.clock(), lease_token=lease.token)
             log.exception("engine error", extra={"job_id": job.job_id})
             return Outcome("failed", job.job_id)
+        finally:
+            self.watch.discard(job.job_id)
         result = self._result(job, completion)
         written = self.store.finish(result, lease_token=lease.token)
         if not written.ok:

@@ -1,0 +1,86 @@
+"""How far each partition's offset may be committed, when jobs leave out of Kafka order;
+and which partitions a rebalance took away.
+
+The policy admits by priority, age and fit, not by offset, so a partition can hold an
+undecided record (buffered, waiting for budget) before decided ones. Its committed
+offset may advance only to that oldest undecided record: committing past it would lose
+the record if this replica crashed. Committing less is always safe: a redelivered
+record whose job was already decided is recognised by its state and skipped.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from kafka import TopicPartition
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.structs import OffsetAndMetadata
+
+
+class OffsetBook:
+    def __init__(self) -> None:
+        self._undecided: dict[TopicPartition, set[int]] = {}
+        self._next: dict[TopicPartition, int] = {}  # one past the last record read
+        self._committed: dict[TopicPartition, int] = {}
+
+    def read(self, tp: TopicPartition, offset: int) -> None:
+        """A record was polled; it is undecided until `decided()`."""
+        self._undecided.setdefault(tp, set()).add(offset)
+        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+
+    def decided(self, tp: TopicPartition, offset: int) -> None:
+        """The record's job is durably admitted, refused or dead-lettered."""
+        undecided = self._undecided.get(tp)
+        if undecided is not None:
+            undecided.discard(offset)
+
+    def position(self, tp: TopicPartition) -> Optional[int]:
+        """Where the partition's commit may go: its oldest undecided record, else one past
+        the last record read; None if nothing was read from it."""
+        if tp not in self._next:
+            return None
+        undecided = self._undecided.get(tp)
+        return min(undecided) if undecided else self._next[tp]
+
+    def due(self) -> dict[TopicPartition, OffsetAndMetadata]:
+        """Commit positions that moved since the last commit."""
+        due = {}
+        for tp in self._next:
+            position = self.position(tp)
+            if position > self._committed.get(tp, -1):
+                due[tp] = OffsetAndMetadata(position, "", -1)
+        return due
+
+    def committed(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        for tp, meta in offsets.items():
+            self._committed[tp] = meta.offset
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        """Partitions revoked: another member reads them from their committed offsets."""
+        for tp in partitions:
+            self._undecided.pop(tp, None)
+            self._next.pop(tp, None)
+            self._committed.pop(tp, None)
+
+
+class Revocations(ConsumerRebalanceListener):
+    """kafka-python 3 runs this on its IO thread (while `poll()` or `close()` waits on
+    it, and heartbeats wait on it too), so it only notes the partitions; the loop drops
+    their buffered jobs right after the poll returns, before it reads any record."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._revoked: set[TopicPartition] = set()
+
+    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        with self._lock:
+            self._revoked |= set(revoked)
+
+    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        pass  # a new partition is read from its committed offset; nothing to set up
+
+    def take(self) -> set[TopicPartition]:
+        with self._lock:
+            taken, self._revoked = self._revoked, set()
+        return taken
