@@ -51,6 +51,7 @@ from kafka.admin import KafkaAdminClient  # noqa: E402
 
 import kvfleet.infra  # noqa: E402
 from kvfleet.constants import request_topic  # noqa: E402
+from kvfleet import registry  # noqa: E402
 from kvfleet.contracts import JobRequest, Priority, WorkerHeartbeat, encode  # noqa: E402
 from kvfleet.jobstore import JobStore  # noqa: E402
 from kvfleet.kafka import make_producer  # noqa: E402
@@ -233,7 +234,7 @@ class _live:
         self.store = JobStore(self.client, self.settings.redis.keys)
         beat = WorkerHeartbeat(worker_id="bench", model="builtin:tiny", fingerprint="bench", capacity_tokens=10**9,
                                tokens_in_use=0, running=0, waiting=0, ts=time.time())
-        self.client.set(self.settings.redis.keys.worker("bench"), encode(beat), ex=3600)
+        registry.publish(self.client, self.settings.redis.keys, beat, ttl_ms=3_600_000)
         self.scheduler = service.build(self.settings, client_id=f"{tag}-scheduler")
         self.loop = threading.Thread(target=self.scheduler.run, name="scheduler", daemon=True)
         self.producer = make_producer(self.settings.kafka, client_id=f"{tag}-bench")

@@ -60,8 +60,9 @@ class Keys:
         return f"{self.prefix}:worker:{worker_id}"
 
     @property
-    def workers_pattern(self) -> str:
-        return f"{self.prefix}:worker:*"
+    def workers_index(self) -> str:
+        """Sorted set of worker ids that have heartbeated (see kvfleet/registry.py)."""
+        return f"{self.prefix}:workers"
 
     def quota(self, tenant: str) -> str:
         return f"{self.prefix}:quota:{tenant}"

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from kvfleet import registry
 from kvfleet.infra import procs
 from kvfleet.settings import Settings
 
@@ -62,7 +63,7 @@ def up(settings: Settings, *, workers: int = 1, timeout: float = 180.0) -> None:
     url = f"{settings.api.public_url}/readyz"
     procs.wait_until(lambda: _ready(url), timeout, f"the API at {url}", log=fleet_dir() / "api.log")
     client = redis.Redis.from_url(settings.redis.url)
-    procs.wait_until(lambda: len(list(client.scan_iter(settings.redis.keys.workers_pattern))) >= workers,
+    procs.wait_until(lambda: len(registry.live(client, settings.redis.keys)) >= workers,
                      timeout, f"{workers} worker heartbeat(s)", log=fleet_dir() / "worker-0.log")
     print(f"fleet up: API {settings.api.public_url}, 1 scheduler, {workers} worker(s); logs in {fleet_dir()}",
           flush=True)

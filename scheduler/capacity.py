@@ -2,24 +2,21 @@
 
 Each worker writes a `kvfleet.contracts.WorkerHeartbeat` (JSON) to
 `{prefix}:worker:{worker_id}` every third of WORKER_HEARTBEAT_TTL_S with that TTL
-(`workers/heartbeat.py`), so a worker that stops heartbeating (crashed, partitioned,
-stopped) drops out of the sum within the TTL, with no cleanup needed.
+(`workers/heartbeat.py` through `kvfleet/registry.py`), so a worker that stops
+heartbeating (crashed, partitioned, stopped) drops out of the sum within the TTL, with
+no cleanup needed.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable, Optional
 
-import msgspec
 import redis
 
+from kvfleet import registry
 from kvfleet.constants import Keys
 from kvfleet.contracts import WorkerHeartbeat
-
-log = logging.getLogger(__name__)
-_decoder = msgspec.json.Decoder(WorkerHeartbeat)
 
 
 class FleetCapacity:
@@ -33,24 +30,14 @@ class FleetCapacity:
         self.client = client
         self.keys = keys
         self.ceiling_tokens = ceiling_tokens
-        # SCAN walks the whole keyspace, so a scheduler ticking every 200 ms reads at most
-        # once per cache_s: capacity changes at heartbeat pace, not per poll.
+        # Capacity changes at heartbeat pace, not per poll: a scheduler ticking every
+        # 200 ms reads the registry at most once per cache_s.
         self.cache_s = cache_s
         self._clock = clock
         self._cached: Optional[tuple[float, int]] = None
 
     def heartbeats(self) -> list[WorkerHeartbeat]:
-        names = list(self.client.scan_iter(match=self.keys.workers_pattern, count=1000))
-        beats = []
-        for name, raw in zip(names, self.client.mget(names) if names else []):
-            if raw is None:
-                continue  # expired between SCAN and MGET: the worker just died
-            try:
-                beats.append(_decoder.decode(raw))
-            except msgspec.DecodeError as exc:
-                # One bad writer must not zero the fleet's capacity: skip it, loudly.
-                log.warning("ignoring malformed heartbeat %s: %s", name.decode(), exc)
-        return beats
+        return registry.live(self.client, self.keys)
 
     def read(self) -> int:
         now = self._clock()

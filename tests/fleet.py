@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import httpx
-import msgspec
 import redis
 
+from kvfleet import registry
 from kvfleet.constants import Keys
 from kvfleet.contracts import WorkerHeartbeat
 
@@ -122,7 +122,7 @@ class Fleet:
         budget, and admitted jobs wait in the Celery queue until a test releases them."""
         beat = WorkerHeartbeat(worker_id=name, model="builtin:tiny", fingerprint="fake", capacity_tokens=tokens,
                                tokens_in_use=0, running=0, waiting=0, ts=time.time())
-        self.redis.set(self.keys.worker(name), msgspec.json.encode(beat), px=int(ttl_s * 1000))
+        registry.publish(self.redis, self.keys, beat, ttl_ms=int(ttl_s * 1000))
 
     def metrics(self, port: int) -> dict[str, float]:
         """A service's Prometheus samples: {'name{label="v",...}': value}."""
@@ -135,7 +135,7 @@ class Fleet:
         return samples
 
     def live_workers(self) -> int:
-        return len(list(self.redis.scan_iter(self.keys.workers_pattern)))
+        return len(registry.live(self.redis, self.keys))
 
     def assert_alive(self) -> None:
         dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None and n not in self.killed}

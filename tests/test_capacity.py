@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 
+from kvfleet import registry
 from kvfleet.constants import Keys
 from kvfleet.contracts import WorkerHeartbeat
 from scheduler.capacity import FleetCapacity
@@ -15,7 +15,7 @@ def publish_heartbeat(client, keys: Keys, worker_id: str, capacity: int, *, ttl_
     """What workers/heartbeat.py writes."""
     beat = WorkerHeartbeat(worker_id=worker_id, model="builtin:tiny", fingerprint="f", capacity_tokens=capacity,
                            tokens_in_use=0, running=0, waiting=0, ts=time.time())
-    client.set(keys.worker(worker_id), msgspec.json.encode(beat), px=int(ttl_s * 1000))
+    registry.publish(client, keys, beat, ttl_ms=int(ttl_s * 1000))
 
 
 def test_sums_live_workers_and_drops_silent_ones(redis_client, prefix):
@@ -33,6 +33,7 @@ def test_ceiling_caps_and_malformed_beats_are_skipped(redis_client, prefix):
     keys = Keys(prefix)
     publish_heartbeat(redis_client, keys, "w1", 32_768)
     redis_client.set(keys.worker("broken"), b'{"worker_id": "broken"}', px=10_000)
+    redis_client.zadd(keys.workers_index, {"broken": time.time() + 10})
     assert FleetCapacity(redis_client, keys, cache_s=0.0).read() == 32_768
     assert FleetCapacity(redis_client, keys, ceiling_tokens=20_000, cache_s=0.0).read() == 20_000
 

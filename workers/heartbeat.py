@@ -12,27 +12,28 @@ import threading
 
 from typing import Callable
 
-import msgspec
 import redis
 
-from kvfleet import constants
+from kvfleet import constants, registry
+from kvfleet.constants import Keys
 from kvfleet.contracts import WorkerHeartbeat
 
 log = logging.getLogger("kvfleet.worker")
 
 
 class Heartbeat:
-    def __init__(self, client: redis.Redis, key: str, snapshot: Callable[[], WorkerHeartbeat], *,
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, snapshot: Callable[[], WorkerHeartbeat], *,
                  ttl_s: float = constants.WORKER_HEARTBEAT_TTL_S) -> None:
         self.client = client
-        self.key = key
+        self.keys = keys
+        self.worker_id = worker_id
         self.snapshot = snapshot
         self.ttl_ms = int(ttl_s * 1000)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def beat(self) -> None:
-        self.client.set(self.key, msgspec.json.encode(self.snapshot()), px=self.ttl_ms)
+        registry.publish(self.client, self.keys, self.snapshot(), ttl_ms=self.ttl_ms)
 
     def start(self) -> None:
         self.beat()
@@ -50,7 +51,7 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=2)
         try:
-            self.client.delete(self.key)
+            registry.withdraw(self.client, self.keys, self.worker_id)
         except redis.RedisError:
             pass  # the TTL removes it anyway
 

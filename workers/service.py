@@ -78,7 +78,7 @@ def main() -> None:
                                capacity_tokens=s.capacity_tokens, tokens_in_use=s.tokens_in_use,
                                running=s.running, waiting=s.waiting, ts=now())
 
-    heartbeat = Heartbeat(client, settings.redis.keys.worker(worker_id), snapshot)
+    heartbeat = Heartbeat(client, settings.redis.keys, worker_id, snapshot)
     heartbeat.start()
     if settings.worker.metrics_port:
         start_http_server(settings.worker.metrics_port)
