@@ -2,6 +2,7 @@
 
     kvfleet submit "Once upon a time" --priority high --tenant acme --wait
     kvfleet get JOB_ID [--wait 30]
+    kvfleet cancel JOB_ID
     kvfleet infra up|down|status        local Kafka (KRaft) and Redis
     kvfleet fleet up|down|status        API + scheduler + workers in the background
     kvfleet demo                        submit sample jobs at all priorities, print results
@@ -61,6 +62,19 @@ def cmd_get(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     print(msgspec.json.format(msgspec.json.encode(result)).decode())
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from producer.client import Client, ClientError
+
+    with Client(args.url, tenant=args.tenant, api_key=args.api_key) as client:
+        try:
+            result = client.cancel(args.job_id)
+        except ClientError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    print(_result_line(result))
     return 0
 
 
@@ -157,6 +171,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     client_opts(p)
     p.add_argument("--wait", type=float, default=0.0, help="long-poll up to this many seconds")
     p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("cancel", help="cancel a job that has not ended")
+    p.add_argument("job_id")
+    client_opts(p)
+    p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("infra", help="local Kafka and Redis")
     p.add_argument("action", choices=["up", "down", "status"])
