@@ -197,7 +197,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.set_defaults(func=lambda _a, t=target: __import__(t, fromlist=["main"]).main() or 0)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    import httpx
+
+    try:
+        return args.func(args)
+    except httpx.TransportError as exc:
+        url = getattr(args, "url", "the API")
+        print(f"error: cannot reach {url} ({exc}); is the fleet up? (`kvfleet fleet up` or scripts/demo.sh)",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
