@@ -81,17 +81,41 @@ redis.call('PUBLISH', KEYS[2], ARGV[1])
 return {1, cur}
 """
 
+# The token-reservation rule, one definition for the ledger's single reserve
+# (scheduler/ledger.py) and the batched admission below. Layout: the ledger hash
+# (job -> tokens), its lease zset (job -> deadline) and meta hash (job -> "tenant class").
+# A job already reserved counts once and only has its lease extended (a redelivery);
+# otherwise it is reserved if the ledger's sum plus its tokens fits the capacity.
+# `used` is that sum, computed on first need and returned updated, so a batch sums once.
+# Returns 1 reserved | -1 full, and `used`.
+RESERVE_LUA = """
+local function ledger_sum(ledger)
+  local total = 0
+  for _, v in ipairs(redis.call('HVALS', ledger)) do total = total + tonumber(v) end
+  return total
+end
+local function reserve(ledger, leases, metas, id, tokens, meta, deadline, capacity, used)
+  if redis.call('HEXISTS', ledger, id) == 1 then
+    redis.call('ZADD', leases, 'GT', deadline, id)
+    return 1, used
+  end
+  if not used then used = ledger_sum(ledger) end
+  if used + tokens > capacity then return -1, used end
+  redis.call('HSET', ledger, id, tokens)
+  redis.call('ZADD', leases, deadline, id)
+  redis.call('HSET', metas, id, meta)
+  return 1, used + tokens
+end
+"""
+
 # Admission of a batch, in order: each job's token reservation and its move to
 # "admitted", together or not at all, so a job that is cancelled, running or finished
-# is never reserved (the mirror of _FINISH, which releases). The reservation rule and
-# layout are the ledger's (scheduler/ledger.py _RESERVE: the reservations' sum plus the
-# job's tokens within the capacity; a job already reserved counts once and only has its
-# lease extended). One call per batch sums the ledger once, not once per job.
+# is never reserved (the mirror of _FINISH, which releases).
 # KEYS: ledger hash, ledger lease zset, ledger meta, then per job: job hash, events
 # ARGV: capacity, lease_s, admitted_at, admitted_by, then per job: job_id, tokens,
 #       meta ("tenant priority"), revive ('1': reserve it although running: its worker died)
 # Returns per job: state before the call ('' = no such job), 1 reserved | 0 not admissible | -1 full
-_ADMIT = """
+_ADMIT = RESERVE_LUA + """
 local t = redis.call('TIME')
 local deadline = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2])
 local capacity = tonumber(ARGV[1])
@@ -103,24 +127,7 @@ for i = 1, (#KEYS - 3) / 2 do
   local cur = redis.call('HGET', job, 'state')
   local code = 0
   if cur == 'queued' or cur == 'admitted' or (cur == 'running' and revive == '1') then
-    if redis.call('HEXISTS', KEYS[1], id) == 1 then
-      redis.call('ZADD', KEYS[2], 'GT', deadline, id)
-      code = 1
-    else
-      if not used then
-        used = 0
-        for _, v in ipairs(redis.call('HVALS', KEYS[1])) do used = used + tonumber(v) end
-      end
-      if used + tokens <= capacity then
-        redis.call('HSET', KEYS[1], id, tokens)
-        redis.call('ZADD', KEYS[2], deadline, id)
-        redis.call('HSET', KEYS[3], id, meta)
-        used = used + tokens
-        code = 1
-      else
-        code = -1
-      end
-    end
+    code, used = reserve(KEYS[1], KEYS[2], KEYS[3], id, tokens, meta, deadline, capacity, used)
     if code == 1 and cur == 'queued' then
       redis.call('HSET', job, 'state', 'admitted', 'admitted_at', ARGV[3], 'admitted_by', ARGV[4])
       redis.call('PUBLISH', events, 'admitted')

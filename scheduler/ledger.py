@@ -34,6 +34,7 @@ import redis
 
 from kvfleet.constants import Keys
 from kvfleet.contracts import Priority
+from kvfleet.jobstore import RESERVE_LUA
 
 #: Lease of a reservation from admission until a worker starts the job and renews it:
 #: covers the Celery queue wait. A worker renews every third of RUN_LEASE_S.
@@ -48,29 +49,14 @@ local function now(arg)
 end
 """
 
-_SUM = """
-local function in_use(ledger)
-  local total = 0
-  for _, v in ipairs(redis.call('HVALS', ledger)) do total = total + tonumber(v) end
-  return total
-end
-"""
-
 # KEYS: ledger, leases, meta. ARGV: job_id, tokens, lease_s, capacity, meta, now.
-# Returns {1|0, tokens in use after the call}.
-_RESERVE = _NOW + _SUM + """
-local deadline = now(ARGV[6]) + tonumber(ARGV[3])
-local used = in_use(KEYS[1])
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
-  -- already reserved (a redelivery): extend, never shorten, the lease; count nothing
-  redis.call('ZADD', KEYS[2], 'GT', deadline, ARGV[1])
-  return {1, used}
-end
-if used + tonumber(ARGV[2]) > tonumber(ARGV[4]) then return {0, used} end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[2], deadline, ARGV[1])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[5])
-return {1, used + tonumber(ARGV[2])}
+# Returns {1|0, tokens in use after the call}. The rule itself is RESERVE_LUA, shared
+# with the batched admission of kvfleet/jobstore.py.
+_RESERVE = _NOW + RESERVE_LUA + """
+local code, used = reserve(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), ARGV[5],
+                           now(ARGV[6]) + tonumber(ARGV[3]), tonumber(ARGV[4]), nil)
+if used == nil then used = ledger_sum(KEYS[1]) end
+return {code == 1 and 1 or 0, used}
 """
 
 # KEYS: ledger, leases, meta. ARGV: job_id. Returns 1 if it held a reservation.
