@@ -38,7 +38,7 @@ def decode(
     block_tables: torch.Tensor,  # (B, max_blocks) int
     scale: float,
 ) -> torch.Tensor:  # (B, Hq, D)
-    b_total, hq, d = q.shape
+    hq, d = q.shape[1:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     out = torch.empty_like(q)
