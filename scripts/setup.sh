@@ -4,7 +4,7 @@
 #   - a Python venv in $KVFLEET_HOME/venv (default ~/.cache/kvfleet) with the project's
 #     dependencies; re-installed only when pyproject.toml changes
 #   - the Apache Kafka jars from Maven Central (fetched by `kvfleet infra up` on first use)
-# Source it (`. scripts/setup.sh`) to get $KVFLEET_PY and PYTHONPATH set in your shell.
+# The other scripts source it for $KVFLEET_PY, $REPO and PYTHONPATH.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export KVFLEET_HOME="${KVFLEET_HOME:-$HOME/.cache/kvfleet}"
