@@ -160,6 +160,10 @@ class SchedulerSettings:
     #: it, seconds. It must cover the wait in the Celery queue: an expired lease is
     #: reclaimed and the job sent again (harmless, but its tokens are counted late).
     admit_lease_s: float = 60.0
+    #: A member still without its assignment this long after a rebalance started is
+    #: stuck (a healthy rebalance takes about a session timeout, 10 s): it rejoins the
+    #: group, and exits for its supervisor to restart it if that fails too.
+    rejoin_after_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -288,6 +292,7 @@ class Settings:
                 busy_poll_ms=_int(env, "BUSY_POLL_MS", 20, lo=1),
                 capacity_ceiling_tokens=_int(env, "CAPACITY_CEILING_TOKENS", 0, lo=0),
                 admit_lease_s=_float(env, "ADMIT_LEASE_S", 60.0, gt=0),
+                rejoin_after_s=_float(env, "SCHEDULER_REJOIN_AFTER_S", 60.0, gt=0),
             ),
             policy=PolicySettings.from_env(env),
             worker=WorkerSettings(

@@ -24,3 +24,5 @@ PAUSED = Gauge("kvfleet_scheduler_paused_partitions", "Partitions paused for bac
 CAPACITY = Gauge("kvfleet_scheduler_budget_capacity_tokens", "The fleet's KV token budget")
 IN_USE = Gauge("kvfleet_scheduler_budget_in_use_tokens", "Tokens reserved in the ledger")
 LOOP_ERRORS = Counter("kvfleet_scheduler_loop_errors", "Loop iterations that failed (Redis, Kafka) and were retried")
+ASSIGNED = Gauge("kvfleet_scheduler_assigned_partitions", "Partitions this replica owns (0 while it waits for a rebalance)")
+REJOINS = Counter("kvfleet_scheduler_rejoins", "Times the membership watchdog rejoined the consumer group")

@@ -11,7 +11,8 @@ record whose job was already decided is recognised by its state and skipped.
 from __future__ import annotations
 
 import threading
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 from kafka import TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -65,22 +66,54 @@ class OffsetBook:
 
 
 class Revocations(ConsumerRebalanceListener):
-    """kafka-python 3 runs this on its IO thread (while `poll()` or `close()` waits on
-    it, and heartbeats wait on it too), so it only notes the partitions; the loop drops
-    their buffered jobs right after the poll returns, before it reads any record."""
+    """Which partitions a rebalance took away, and whether the member is still waiting
+    for its next assignment.
 
-    def __init__(self) -> None:
+    kafka-python 3 runs these callbacks on its IO thread (while `poll()` or `close()`
+    waits on it, and heartbeats wait on it too), so they only take notes; the loop drops
+    the revoked partitions' buffered jobs right after the poll returns, before it reads
+    any record.
+
+    `on_revoke` runs first thing in each revocation. The scheduler passes a call that
+    pins the coordinator's `rejoin_needed` flag (see `SchedulerService.pin_rejoin`):
+    kafka-python 3.0.12 loses a rebalance's assignment when the poll that started it
+    times out before the SyncGroup answer and the rebalance was triggered by a metadata
+    change rather than by that flag. Measured here: a scheduler subscribing to topics
+    created a moment before was revoked 0.6 s later and never assigned again.
+    """
+
+    def __init__(self, on_revoke: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._revoked: set[TopicPartition] = set()
+        self._on_revoke = on_revoke
+        self._clock = clock
+        self._waiting_since: Optional[float] = clock()  # subscribed, not yet assigned
 
     def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self._on_revoke()
         with self._lock:
             self._revoked |= set(revoked)
+            if self._waiting_since is None:
+                self._waiting_since = self._clock()
 
     def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        pass  # a new partition is read from its committed offset; nothing to set up
+        # A new partition is read from its committed offset: nothing to set up. An empty
+        # assignment counts too: a group with more members than partitions is healthy.
+        with self._lock:
+            self._waiting_since = None
 
     def take(self) -> set[TopicPartition]:
         with self._lock:
             taken, self._revoked = self._revoked, set()
         return taken
+
+    def unassigned_for(self) -> float:
+        """Seconds since this member started waiting for an assignment (0 when it has one)."""
+        with self._lock:
+            return 0.0 if self._waiting_since is None else self._clock() - self._waiting_since
+
+    def restart(self) -> None:
+        """The member rejoins from scratch (re-subscribed): wait afresh."""
+        with self._lock:
+            self._waiting_since = self._clock()

@@ -67,6 +67,10 @@ COMMIT_EVERY_S = 0.1
 _FAILURES = (redis.RedisError, KafkaError, OSError)
 
 
+class MembershipStalled(RuntimeError):
+    """The consumer cannot get a partition assignment: the process exits non-zero."""
+
+
 @dataclass(frozen=True)
 class Waiting:
     """A job buffered in the policy, and the record it came from."""
@@ -95,7 +99,8 @@ class SchedulerService:
         self.waiting: dict[str, Waiting] = {}  # buffered in the policy, by job id
         self.resend: dict[str, Ticket] = {}  # admitted already: send again, outside the policy
         self.offsets = OffsetBook()
-        self.revocations = Revocations()
+        self.revocations = Revocations(on_revoke=self.pin_rejoin)
+        self._rejoined = False  # the membership watchdog rejoined once since the last assignment
         self._priority_of = {t: p for t, p in zip(settings.kafka.topics, Priority)}
         self._topic_of = {p: t for t, p in self._priority_of.items()}
         self._next_reclaim = self._next_observe = self._next_commit = 0.0
@@ -117,6 +122,7 @@ class SchedulerService:
     def step(self) -> None:
         records = self.poll()
         self.forget_revoked()
+        self.check_membership()
         self.intake(records)
         self.reclaim()
         now = time.time()
@@ -154,6 +160,36 @@ class SchedulerService:
             self.waiting.pop(job.job_id, None)
         self.offsets.forget(revoked)
         log.info("partitions revoked", extra={"partitions": sorted(map(str, revoked)), "dropped": len(dropped)})
+
+    def pin_rejoin(self) -> None:
+        """Keep the coordinator's `rejoin_needed` set until the rebalance that is starting
+        completes, so a poll that times out mid-rebalance resumes it on the next poll
+        instead of dropping its assignment (kafka-python 3.0.12; `Revocations` says more).
+        Private API, hence the guard: a client without it simply goes without the pin."""
+        coordinator = getattr(self.consumer, "_coordinator", None)
+        if coordinator is not None and hasattr(coordinator, "request_rejoin"):
+            coordinator.request_rejoin()
+
+    def check_membership(self) -> None:
+        """A member that waits for its assignment much longer than a rebalance takes is
+        stuck, while jobs wait on its partitions: rejoin the group from scratch once, and
+        if that does not help either, exit non-zero so the supervisor starts a fresh
+        process. Nothing is lost either way: the revoked partitions' jobs were dropped
+        from the buffer uncommitted, and their next owner reads them again."""
+        waited = self.revocations.unassigned_for()
+        if waited == 0.0:
+            self._rejoined = False
+            return
+        if waited < self.settings.scheduler.rejoin_after_s:
+            return
+        if self._rejoined:
+            raise MembershipStalled(f"no partition assignment for {waited:.0f} s, even after rejoining the group")
+        log.warning("no partition assignment; rejoining the group", extra={"waited_s": round(waited, 1)})
+        m.REJOINS.inc()
+        self._rejoined = True
+        self.consumer.unsubscribe()
+        self.revocations.restart()
+        self.consumer.subscribe(self.settings.kafka.topics, listener=self.revocations)
 
     def intake(self, records: list[ConsumerRecord]) -> None:
         try:
@@ -334,6 +370,7 @@ class SchedulerService:
         m.CAPACITY.set(self.capacity.read())
         m.IN_USE.set(self.ledger.in_use())
         assigned = self.consumer.assignment()
+        m.ASSIGNED.set(len(assigned) if not self.revocations.unassigned_for() else 0)
         ends = self.consumer.end_offsets(list(assigned)) if assigned else {}
         for p in Priority:
             m.BUFFERED.labels(p.value).set(self.policy.pending(p))
@@ -383,6 +420,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         service.run()
         service.commit(force=True)  # what was decided, so the next owner does not re-read it
+    except MembershipStalled as exc:
+        log.error("scheduler exiting for its supervisor to restart it", extra={"error": str(exc)})
+        raise SystemExit(1) from None
     finally:
         service.consumer.close()  # leaves the group at once so partitions move without waiting
         service.dlq.close(timeout=5)

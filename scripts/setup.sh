@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kvfleet needs on a fresh Debian machine; a second run reuses it all.
 #   - Debian packages: redis-server, a Java 17 runtime and Maven (for the Kafka broker)
-#   - a Python venv in $KVFLEET_HOME/venv (default ~/.cache/kvfleet) with the project's
-#     dependencies; re-installed only when pyproject.toml changes
+#   - a Python venv in $KVFLEET_HOME/venv (default ~/.cache/kvfleet) with the exact
+#     versions pinned (with hashes) in requirements.lock; re-installed only when it changes
 #   - the Apache Kafka jars from Maven Central (fetched by `kvfleet infra up` on first use)
 # The other scripts source it for $KVFLEET_PY, $REPO and PYTHONPATH.
 set -euo pipefail
@@ -28,10 +28,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q --upgrade pip
 fi
 stamp="$VENV/.kvfleet-deps"
-want="$(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"
+want="$(cat "$REPO/requirements.lock" "$REPO/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing Python dependencies (torch is large; the first time takes a few minutes)"
-  if ! "$VENV/bin/pip" install -q -e "$REPO[test,bench]" > "$KVFLEET_HOME/pip.log" 2>&1; then
+  # Every version and hash comes from the lock; the project itself is installed without
+  # resolving anything, so a new machine runs exactly what CI ran.
+  if ! { "$VENV/bin/pip" install -q --require-hashes -r "$REPO/requirements.lock" &&
+         "$VENV/bin/pip" install -q --no-deps -e "$REPO"; } > "$KVFLEET_HOME/pip.log" 2>&1; then
     tail -40 "$KVFLEET_HOME/pip.log"; echo "[setup] pip install failed; full log: $KVFLEET_HOME/pip.log"; exit 1
   fi
   echo "$want" > "$stamp"

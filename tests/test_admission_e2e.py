@@ -30,39 +30,59 @@ def done(fleet: Fleet, job_ids: list[str]) -> bool:
     return all(fleet.state(j) in ("done", "failed", "rejected", "expired", "cancelled") for j in job_ids)
 
 
-def test_high_before_normal_before_low_and_low_within_its_aging_bound(make_fleet):
-    # One job at a time fits; low jobs jump the queue after 4 s of waiting.
-    env = {"KVFLEET_CAPACITY_CEILING_TOKENS": "1000", "KVFLEET_LOW_MAX_WAIT_S": "4",
-           "KVFLEET_LOW_RESERVE_AFTER_S": "1"}
+def test_high_before_normal_before_low(make_fleet):
+    # One job at a time fits; the aging bounds are far longer than this test runs, so
+    # the order is the classes' alone however fast the machine is.
+    env = {"KVFLEET_CAPACITY_CEILING_TOKENS": "1000", "KVFLEET_LOW_MAX_WAIT_S": "600",
+           "KVFLEET_NORMAL_MAX_WAIT_S": "600", "KVFLEET_HIGH_MAX_WAIT_S": "600"}
     fleet = make_fleet(workers=1, extra_env=env)
     blocker = fleet.submit("normal", prompt_len=100, max_new_tokens=800)
     fleet.wait_for(lambda: fleet.state(blocker) == "running", "blocker running")
     jobs = {p: [fleet.submit(p, prompt_len=100, max_new_tokens=500) for _ in range(3)]
             for p in ("low", "normal", "high")}
-    fleet.wait_for(lambda: done(fleet, sum(jobs.values(), [])), "all done", timeout=60)
+    fleet.wait_for(lambda: done(fleet, sum(jobs.values(), [])), "all done", timeout=120)
     admitted = {p: [timing(fleet, j, "admitted_at") for j in ids] for p, ids in jobs.items()}
     assert max(admitted["high"]) < min(admitted["normal"]) and max(admitted["normal"]) < min(admitted["low"])
 
-    # Now a stream of high jobs keeps the budget busy for 10+ s; a low job submitted
-    # with them is admitted once it waited its 4 s bound, ahead of the highs left.
+
+def test_a_low_job_overtakes_a_stream_of_high_ones_at_its_aging_bound(make_fleet):
+    # A stream of high jobs, kept topped up until the low job is admitted, holds the
+    # budget (one job at a time). Without aging the low job would wait forever; with a
+    # 4 s bound it goes first once it waited 4 s, ahead of every high job then waiting.
+    bound = 4.0
+    env = {"KVFLEET_CAPACITY_CEILING_TOKENS": "1000", "KVFLEET_LOW_MAX_WAIT_S": str(bound),
+           "KVFLEET_LOW_RESERVE_AFTER_S": "1"}
+    fleet = make_fleet(workers=1, extra_env=env)
     highs = [fleet.submit("high", prompt_len=100, max_new_tokens=500)]
     fleet.wait_for(lambda: fleet.state(highs[0]) == "running", "the stream running")
     low = fleet.submit("low", prompt_len=100, max_new_tokens=500)
-    highs += [fleet.submit("high", prompt_len=100, max_new_tokens=500) for _ in range(40)]
-    fleet.wait_for(lambda: done(fleet, [low, *highs]), "stream done", timeout=90)
-    waited = timing(fleet, low, "admitted_at") - timing(fleet, low, "queued_at")
-    assert 4.0 <= waited <= 4.0 + 2.0, waited  # its bound, plus the one job then running
-    after = [h for h in highs if timing(fleet, h, "admitted_at") > timing(fleet, low, "admitted_at")]
-    assert len(after) >= 10  # it overtook a good part of the stream
+    deadline = time.monotonic() + 120  # a starved low job: the failure this test exists for
+    while fleet.state(low) == "queued":
+        assert time.monotonic() < deadline, "the low job starved behind the high stream"
+        waiting = [h for h in highs if fleet.state(h) == "queued"]
+        if len(waiting) < 3:
+            highs.append(fleet.submit("high", prompt_len=100, max_new_tokens=500))
+        else:
+            time.sleep(0.05)  # a polling interval, not a duration anything depends on
+    fleet.wait_for(lambda: done(fleet, [low, *highs]), "stream done", timeout=120)
+    low_queued, low_admitted = timing(fleet, low, "queued_at"), timing(fleet, low, "admitted_at")
+    assert low_admitted - low_queued >= bound  # it never jumped before its bound ...
+    # ... and from its bound on, no high job was admitted before it (the admission
+    # times are the policy's own clock, so this holds at any machine speed).
+    admitted_high = [timing(fleet, h, "admitted_at") for h in highs]
+    assert not [t for t in admitted_high if low_queued + bound <= t < low_admitted]
+    overtaken = [h for h in highs if timing(fleet, h, "queued_at") < low_admitted < timing(fleet, h, "admitted_at")]
+    assert overtaken  # high jobs were waiting when it went: it overtook them
     assert all(fleet.state(j) == "done" for j in [low, *highs])
 
 
 def test_a_long_job_amid_a_stream_of_short_ones_runs_within_its_hold(make_fleet):
     # Budget 1000: the long job (900) fits only alone; short ones (300-600 tokens, of
-    # staggered lengths) keep refilling what frees up. Real workers end jobs at their own
-    # pace, so the budget sometimes empties by chance; the exact check that the hold
-    # alone prevents starvation is tests/test_scheduler_service.py, which plays the workers.
-    env = {"KVFLEET_CAPACITY_CEILING_TOKENS": "1000", "KVFLEET_NORMAL_RESERVE_AFTER_S": "1"}
+    # staggered lengths) keep refilling what frees up until it is admitted. The exact
+    # check that the hold alone prevents starvation is tests/test_scheduler_service.py,
+    # which plays the workers; here real workers end jobs at their own pace.
+    hold = 1.0
+    env = {"KVFLEET_CAPACITY_CEILING_TOKENS": "1000", "KVFLEET_NORMAL_RESERVE_AFTER_S": str(hold)}
     fleet = make_fleet(workers=1, extra_env=env)
 
     def short(i: int) -> str:
@@ -70,12 +90,19 @@ def test_a_long_job_amid_a_stream_of_short_ones_runs_within_its_hold(make_fleet)
 
     first = [short(i) for i in range(3)]
     long = fleet.submit(prompt_len=100, max_new_tokens=800)
-    stream = [short(i) for i in range(3, 63)]
-    fleet.wait_for(lambda: done(fleet, [*first, long, *stream]), "all done", timeout=90)
-    waited = timing(fleet, long, "admitted_at") - timing(fleet, long, "queued_at")
-    assert waited < 1.0 + 2.0, waited  # its hold after 1 s, then the running short jobs end
-    later = [j for j in stream if timing(fleet, j, "admitted_at") > timing(fleet, long, "admitted_at")]
-    assert len(later) >= 30, len(later)
+    stream: list[str] = []
+    deadline = time.monotonic() + 120
+    while fleet.state(long) == "queued":
+        assert time.monotonic() < deadline, "the long job starved behind the short ones"
+        if sum(fleet.state(j) == "queued" for j in stream) < 3:
+            stream.append(short(3 + len(stream)))
+        else:
+            time.sleep(0.05)  # a polling interval, not a duration anything depends on
+    fleet.wait_for(lambda: done(fleet, [*first, long, *stream]), "all done", timeout=120)
+    long_queued, long_admitted = timing(fleet, long, "queued_at"), timing(fleet, long, "admitted_at")
+    # From its hold on, no short job that came after it took the budget before it (the
+    # ones before it are ahead of it in FIFO order and may still go first).
+    assert not [j for j in stream if long_queued + hold <= timing(fleet, j, "admitted_at") < long_admitted]
     assert all(fleet.state(j) == "done" for j in [*first, long, *stream])
 
 
@@ -132,17 +159,14 @@ def test_cancel_a_queued_job_and_a_running_one(make_fleet):
     running = fleet.submit(prompt_len=100, max_new_tokens=1500)
     fleet.wait_for(lambda: fleet.state(running) == "running", "running")
     queued = fleet.submit(prompt_len=500, max_new_tokens=500)  # 1000 > the 2000 - 1600 free
-    time.sleep(0.5)
     assert fleet.state(queued) == "queued"
     cancelled = httpx.delete(f"{fleet.url}/v1/jobs/{queued}", headers=acme)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
 
-    time.sleep(1.0)  # mid-run
-    stopped = time.monotonic()
     assert httpx.delete(f"{fleet.url}/v1/jobs/{running}", headers=acme).json()["status"] == "cancelled"
+    # Counted "cancelled", not "done": the engine stopped it mid-run rather than finishing it.
     outcome = 'kvfleet_worker_tasks_total{outcome="cancelled"}'
-    fleet.wait_for(lambda: fleet.metrics(port).get(outcome) == 1, "the engine stopped the job", timeout=10)
-    assert time.monotonic() - stopped < 3.0  # well before its remaining ~6 s
+    fleet.wait_for(lambda: fleet.metrics(port).get(outcome) == 1, "the engine stopped the job", timeout=60)
     ledger_keys = [fleet.keys.ledger, fleet.keys.ledger + ":leases"]
     assert not any(fleet.redis.exists(k) for k in ledger_keys)  # every token released
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import msgspec
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaAdminClient, KafkaProducer
 
 from kvfleet.contracts import JobRequest, Priority, encode
 from scheduler.ledger import Ledger
@@ -53,6 +53,15 @@ def wait_all_done(fleet: Fleet, job_ids: list[str], timeout: float) -> dict[str,
         time.sleep(0.5)
 
 
+def admitted_count(fleet: Fleet) -> int:
+    """Jobs of this fleet admitted so far (by any replica), read from their hashes."""
+    keys = list(fleet.redis.scan_iter(match=fleet.keys.job("*"), count=1000))
+    with fleet.redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.hexists(key, "admitted_by")
+        return sum(pipe.execute())
+
+
 def assert_no_reservation_left(fleet: Fleet) -> None:
     ledger = Ledger(fleet.redis, fleet.keys)
     assert ledger.in_use() == 0 and fleet.redis.zcard(fleet.keys.ledger + ":leases") == 0
@@ -62,8 +71,7 @@ def scheduler_killed_mid_run(make_fleet, n: int) -> None:
     fleet = make_fleet(workers=2)
     pool = ThreadPoolExecutor(1)
     submitted = pool.submit(submit_all, fleet, n)
-    fleet.wait_for(lambda: fleet.redis.exists(fleet.keys.ledger) or None, "first admissions")
-    time.sleep(0.5)
+    fleet.wait_for(lambda: admitted_count(fleet) >= 30, "the run under way")
     fleet.kill("scheduler-2")  # SIGKILL mid-run: api-1, scheduler-2, workers 3 and 4
     fleet.start("scheduler")
     jobs = submitted.result(timeout=300)
@@ -93,8 +101,7 @@ def test_worker_sigkilled_mid_run_every_job_still_ends_once(make_fleet):
     fleet = make_fleet(workers=2, extra_env={"KVFLEET_VISIBILITY_TIMEOUT_S": "6", "KVFLEET_ADMIT_LEASE_S": "10"})
     pool = ThreadPoolExecutor(1)
     submitted = pool.submit(submit_all, fleet, 300)
-    fleet.wait_for(lambda: fleet.redis.exists(fleet.keys.ledger) or None, "first admissions")
-    time.sleep(0.5)
+    fleet.wait_for(lambda: admitted_count(fleet) >= 30, "the run under way")
     fleet.kill("worker-3")
     jobs = submitted.result(timeout=300)
     pool.shutdown()
@@ -127,7 +134,16 @@ def test_two_scheduler_replicas_share_the_load_and_never_over_admit(make_fleet):
     capacity = 600
     fleet = make_fleet(workers=2, extra_env={"KVFLEET_CAPACITY_CEILING_TOKENS": str(capacity)})
     fleet.start("scheduler")  # a second replica in the same group
-    time.sleep(5.0)  # let the group rebalance over both
+    group = fleet.env["KVFLEET_SCHEDULER_GROUP"]
+    admin = KafkaAdminClient(bootstrap_servers=fleet.env["KVFLEET_KAFKA_BOOTSTRAP"])
+    try:
+        def balanced() -> bool:  # both members joined and the group settled on an assignment
+            described = admin.describe_groups([group])[group]
+            return len(described["members"]) == 2 and described["group_state"] == "Stable"
+
+        fleet.wait_for(balanced, "the group rebalanced over both replicas", timeout=120)
+    finally:
+        admin.close()
     ledger = Ledger(fleet.redis, fleet.keys)
     peak, stop = [0], threading.Event()
 
