@@ -57,7 +57,8 @@ from kvfleet.jobstore import JobStore  # noqa: E402
 from kvfleet.kafka import make_producer  # noqa: E402
 from kvfleet.settings import KafkaSettings, RedisSettings, Settings  # noqa: E402
 from scheduler.baselines import FifoPolicy, StrictPriorityPolicy  # noqa: E402
-from scheduler.policy import Policy, PolicyConfig  # noqa: E402
+from kvfleet.settings import PolicyConfig  # noqa: E402
+from scheduler.policy import Policy  # noqa: E402
 from scheduler.simulator import JobRecord, Phase, SimResult, Workload, make_jobs, simulate  # noqa: E402
 from scheduler.tenants import Tenant, Tier  # noqa: E402
 

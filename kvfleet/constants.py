@@ -33,6 +33,10 @@ def all_request_topics(prefix: str) -> list[str]:
 
 # --- Redis -----------------------------------------------------------------------
 DEFAULT_KEY_PREFIX = "kvfleet"
+#: The local Redis servers (kvfleet/infra): off the default 6379, so a Redis the
+#: machine already runs is never touched.
+STATE_REDIS_PORT = 16379
+CACHE_REDIS_PORT = 16380
 
 
 class Keys:

@@ -60,12 +60,12 @@ def up(settings: Settings, *, workers: int = 1, timeout: float = 180.0) -> None:
         # Each worker on one host needs its own metrics port.
         worker_env = {**env, "KVFLEET_WORKER_METRICS_PORT": str(settings.worker.metrics_port + i)}
         _start(f"worker-{i}", "kvfleet-worker", worker_env)
-    url = f"{settings.api.public_url}/readyz"
+    url = f"{settings.api.base_url}/readyz"
     procs.wait_until(lambda: _ready(url), timeout, f"the API at {url}", log=fleet_dir() / "api.log")
     client = redis.Redis.from_url(settings.redis.url)
     procs.wait_until(lambda: len(registry.live(client, settings.redis.keys)) >= workers,
                      timeout, f"{workers} worker heartbeat(s)", log=fleet_dir() / "worker-0.log")
-    print(f"fleet up: API {settings.api.public_url}, 1 scheduler, {workers} worker(s); logs in {fleet_dir()}",
+    print(f"fleet up: API {settings.api.base_url}, 1 scheduler, {workers} worker(s); logs in {fleet_dir()}",
           flush=True)
 
 

@@ -1,82 +1,104 @@
 """Typed, frozen configuration, built once at each entry point from the environment.
 
-Every knob is a `KVFLEET_*` environment variable; `Settings.from_env()` reads them all,
-checks them, and raises `ValueError` naming the variable to fix. Lower layers take plain
-values from these objects, never the environment.
+Every knob is a field below with its default, its reason and its `KVFLEET_*` variable,
+stated once: `Settings.from_env()` reads every variable there is (no other module reads
+the environment), checks it, and raises `ValueError` naming the variable to fix. Lower
+layers take plain values from these objects.
+
+    settings = Settings.from_env()      # the services' entry points
+    settings = Settings()               # every default (tests, benchmarks)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, TypeVar
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
 
 from kvfleet import constants
 from kvfleet.contracts import Priority
 
-T = TypeVar("T", int, float)
+Parse = Callable[[str], Any]
 
 
-def _env(env: Mapping[str, str], name: str, default: str) -> str:
-    return env.get(f"KVFLEET_{name}", default)
+def knob(default: Any, env: str, parse: Parse = str, *, lo: Optional[float] = None, gt: Optional[float] = None,
+         choices: tuple[str, ...] = ()) -> Any:
+    """A settings field read from `KVFLEET_<env>`: its default, how to parse it, its bounds."""
+    meta = {"env": env, "parse": parse, "lo": lo, "gt": gt, "choices": choices}
+    if isinstance(default, dict):  # a mutable default: each instance gets its own copy
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, lo: int | None = None) -> int:
-    raw = _env(env, name, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"KVFLEET_{name}={raw!r} is not an integer") from None
-    if lo is not None and value < lo:
-        raise ValueError(f"KVFLEET_{name}={value} must be >= {lo}")
-    return value
+def nested(factory: Callable[[], Any], prefix: str = "") -> Any:
+    """A group of knobs; `prefix` goes before each of its variables' names."""
+    return field(default_factory=factory, metadata={"nested": True, "prefix": prefix})
 
 
-def _float(env: Mapping[str, str], name: str, default: float, *, gt: float | None = None) -> float:
-    raw = _env(env, name, str(default))
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"KVFLEET_{name}={raw!r} is not a number") from None
-    if gt is not None and not value > gt:
-        raise ValueError(f"KVFLEET_{name}={value} must be > {gt}")
-    return value
-
-
-def _optional(env: Mapping[str, str], name: str, parse: Callable[[str], T]) -> Optional[T]:
-    """An override that is None when unset (the consumer's own default applies)."""
-    raw = env.get(f"KVFLEET_{name}", "").strip()
-    if not raw:
-        return None
-    try:
-        return parse(raw)
-    except ValueError:
-        raise ValueError(f"KVFLEET_{name}={raw!r} is not {'an integer' if parse is int else 'a number'}") from None
-
-
-def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
-    value = _env(env, name, default).strip().lower()
-    if value not in allowed:
-        raise ValueError(f"KVFLEET_{name}={value!r} must be one of {', '.join(allowed)}")
-    return value
-
-
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = _env(env, name, "1" if default else "0").strip().lower()
-    if raw in ("1", "true", "yes", "on"):
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
         return True
-    if raw in ("0", "false", "no", "off", ""):
+    if value in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"KVFLEET_{name}={raw!r} is not a boolean (use 1/0, true/false)")
+    raise ValueError("is not a boolean (use 1/0, true/false)")
+
+
+def _optional_int(raw: str) -> Optional[int]:
+    return int(raw) if raw.strip() else None
+
+
+def parse_api_keys(raw: str) -> dict[str, str]:
+    """'k1:acme,k2:globex' -> {'k1': 'acme', 'k2': 'globex'}; each key maps to one tenant."""
+    keys: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, sep, tenant = item.partition(":")
+        if not sep or not key or not tenant:
+            raise ValueError(f"entry {item!r} must look like 'apikey:tenant'")
+        if key in keys:
+            raise ValueError(f"lists key {key[:4]}… twice; a key maps to one tenant")
+        keys[key] = tenant
+    return keys
+
+
+def _parse(f: dataclasses.Field, raw: str, name: str) -> Any:
+    meta = f.metadata
+    try:
+        value = meta["parse"](raw)
+    except ValueError as exc:
+        what = {int: "an integer", float: "a number"}.get(meta["parse"])
+        raise ValueError(f"{name}={raw!r} {f'is not {what}' if what else exc}") from None
+    if meta["choices"] and value not in meta["choices"]:
+        raise ValueError(f"{name}={raw!r} must be one of {', '.join(meta['choices'])}")
+    if value is not None and meta["lo"] is not None and value < meta["lo"]:
+        raise ValueError(f"{name}={value} must be >= {meta['lo']}")
+    if value is not None and meta["gt"] is not None and not value > meta["gt"]:
+        raise ValueError(f"{name}={value} must be > {meta['gt']}")
+    return value
+
+
+def _from_env(obj: Any, env: Mapping[str, str], prefix: str = "") -> Any:
+    """`obj` with every field whose variable is set in `env` replaced by its value."""
+    changes = {}
+    for f in fields(obj):
+        if f.metadata.get("nested"):
+            changes[f.name] = _from_env(getattr(obj, f.name), env, prefix + f.metadata["prefix"])
+        elif "env" in f.metadata:
+            name = f"KVFLEET_{prefix}{f.metadata['env']}"
+            if name in env:
+                changes[f.name] = _parse(f, env[name], name)
+    return dataclasses.replace(obj, **changes) if changes else obj
 
 
 @dataclass(frozen=True)
 class KafkaSettings:
-    bootstrap: str = "127.0.0.1:19092"
-    topic_prefix: str = constants.DEFAULT_TOPIC_PREFIX
-    group: str = constants.SCHEDULER_GROUP
-    partitions: int = constants.PARTITIONS_PER_TOPIC
+    bootstrap: str = knob("127.0.0.1:19092", "KAFKA_BOOTSTRAP")
+    topic_prefix: str = knob(constants.DEFAULT_TOPIC_PREFIX, "TOPIC_PREFIX")
+    group: str = knob(constants.SCHEDULER_GROUP, "SCHEDULER_GROUP")
+    #: Partitions per priority topic: the most scheduler replicas that share a class.
+    partitions: int = knob(constants.PARTITIONS_PER_TOPIC, "KAFKA_PARTITIONS", int, lo=1)
 
     @property
     def topics(self) -> list[str]:
@@ -90,10 +112,10 @@ class KafkaSettings:
 @dataclass(frozen=True)
 class RedisSettings:
     #: Job states, results, ledger, heartbeats and the Celery broker: never evicts.
-    url: str = "redis://127.0.0.1:16379/0"
+    url: str = knob(f"redis://127.0.0.1:{constants.STATE_REDIS_PORT}/0", "REDIS_URL")
     #: The KV cold tier: a separate instance that may evict (allkeys-lru).
-    cache_url: str = "redis://127.0.0.1:16380/0"
-    key_prefix: str = constants.DEFAULT_KEY_PREFIX
+    cache_url: str = knob(f"redis://127.0.0.1:{constants.CACHE_REDIS_PORT}/0", "CACHE_REDIS_URL")
+    key_prefix: str = knob(constants.DEFAULT_KEY_PREFIX, "KEY_PREFIX")
 
     @property
     def keys(self) -> constants.Keys:
@@ -104,11 +126,11 @@ class RedisSettings:
 class ModelSettings:
     #: "builtin:<name>" for an embedded seeded-random model, or a path to a Hugging Face
     #: format checkpoint directory (config.json, *.safetensors, tokenizer.json).
-    source: str = "builtin:tiny"
+    source: str = knob("builtin:tiny", "MODEL")
     #: "auto" = cuda when available, else cpu.
-    device: str = "auto"
+    device: str = knob("auto", "DEVICE")
     #: "auto" = bfloat16 on cuda, float32 on cpu (CPU bf16 matmuls are slow on most parts).
-    dtype: str = "auto"
+    dtype: str = knob("auto", "DTYPE")
 
     @property
     def name(self) -> str:
@@ -120,213 +142,235 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class ApiSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    #: Public base URL used in the `url` of a 202 answer.
-    public_url: str = "http://127.0.0.1:8000"
-    #: "key:tenant,key:tenant". Empty: no keys, the X-Tenant-ID header names the tenant
-    #: (development only; set keys in any shared deployment).
-    api_keys: Mapping[str, str] = field(default_factory=dict)
-    default_tenant: str = "default"
+    host: str = knob("127.0.0.1", "API_HOST")
+    port: int = knob(8000, "API_PORT", int, lo=1)
+    #: Public base URL used in the `url` of a 202 answer; empty: http://host:port.
+    public_url: str = knob("", "PUBLIC_URL")
+    #: "key:tenant,key:tenant" (or `api_keys` in KVFLEET_TENANTS). Empty: no keys, the
+    #: X-Tenant-ID header names the tenant (development only).
+    api_keys: Mapping[str, str] = knob({}, "API_KEYS", parse_api_keys)
+    default_tenant: str = knob("default", "DEFAULT_TENANT")
     #: Longest `?wait=` a client may ask for, seconds.
-    max_wait_s: float = 60.0
+    max_wait_s: float = knob(60.0, "MAX_WAIT_S", float, gt=0)
     #: Default SLA for jobs that give no timeout, seconds (sets their deadline).
-    default_timeout_s: float = 600.0
-    #: Most jobs a class may have waiting on Kafka for the scheduler (its consumer lag)
-    #: before submissions of that class get 429 + Retry-After. High's bound is the
-    #: smallest: a long high backlog already means high latency.
-    max_backlog: Mapping[Priority, int] = field(default_factory=lambda: {
-        Priority.HIGH: 1_000, Priority.NORMAL: 5_000, Priority.LOW: 10_000})
+    default_timeout_s: float = knob(600.0, "DEFAULT_TIMEOUT_S", float, gt=0)
+    # Most jobs a class may have waiting on Kafka for the scheduler (its consumer lag)
+    # before submissions of that class get 429 + Retry-After. High's bound is the
+    # smallest: a long high backlog already means high latency.
+    max_backlog_high: int = knob(1_000, "MAX_BACKLOG_HIGH", int, lo=1)
+    max_backlog_normal: int = knob(5_000, "MAX_BACKLOG_NORMAL", int, lo=1)
+    max_backlog_low: int = knob(10_000, "MAX_BACKLOG_LOW", int, lo=1)
     #: Overload, when bronze submissions get 503: the ledger holds at least this fraction
     #: of the fleet's budget *and* at least `overload_backlog` jobs wait on Kafka.
-    overload_utilization: float = 0.9
+    overload_utilization: float = knob(0.9, "OVERLOAD_UTILIZATION", float, gt=0)
     #: 64 = one class's scheduler buffer (`max_buffered`): more waiting than the
     #: scheduler can even look at.
-    overload_backlog: int = 64
+    overload_backlog: int = knob(64, "OVERLOAD_BACKLOG", int, lo=0)
+
+    @property
+    def base_url(self) -> str:
+        return self.public_url or f"http://{self.host}:{self.port}"
+
+    @property
+    def max_backlog(self) -> dict[Priority, int]:
+        return {Priority.HIGH: self.max_backlog_high, Priority.NORMAL: self.max_backlog_normal,
+                Priority.LOW: self.max_backlog_low}
 
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    metrics_port: int = 9101
+    metrics_port: int = knob(9101, "SCHEDULER_METRICS_PORT", int, lo=0)  # 0 = no endpoint
     #: How long one poll waits for records, ms.
-    poll_timeout_ms: int = 200
-    max_poll_records: int = 500
+    poll_timeout_ms: int = knob(200, "POLL_TIMEOUT_MS", int, lo=1)
+    max_poll_records: int = knob(500, "MAX_POLL_RECORDS", int, lo=1)
     #: How long one poll waits while jobs wait for budget, ms: how soon tokens that a
     #: finishing job released are noticed (the ledger is read after every poll).
-    busy_poll_ms: int = 20
+    busy_poll_ms: int = knob(20, "BUSY_POLL_MS", int, lo=1)
     #: An operator's cap on the fleet's token budget; 0 = the live workers' KV capacity.
-    capacity_ceiling_tokens: int = 0
+    capacity_ceiling_tokens: int = knob(0, "CAPACITY_CEILING_TOKENS", int, lo=0)
     #: A reservation's lease from admission until a worker starts the job and renews
     #: it, seconds. It must cover the wait in the Celery queue: an expired lease is
     #: reclaimed and the job sent again (harmless, but its tokens are counted late).
-    admit_lease_s: float = 60.0
+    admit_lease_s: float = knob(60.0, "ADMIT_LEASE_S", float, gt=0)
     #: A member still without its assignment this long after a rebalance started is
     #: stuck (a healthy rebalance takes about a session timeout, 10 s): it rejoins the
     #: group, and exits for its supervisor to restart it if that fails too.
-    rejoin_after_s: float = 60.0
+    rejoin_after_s: float = knob(60.0, "SCHEDULER_REJOIN_AFTER_S", float, gt=0)
 
 
 @dataclass(frozen=True)
-class PolicySettings:
-    """Overrides of `scheduler.policy.PolicyConfig`, whose defaults (and their reasons)
-    live there; None keeps the default. `classes` maps a class to its overridden
-    `share`, `max_wait_s` and `reserve_after_s`."""
+class ClassConfig:
+    """One priority class's knobs; variables `KVFLEET_<CLASS>_SHARE` and so on."""
 
-    base_ceiling_tokens: Optional[int] = None
-    aging_s: Optional[float] = None
-    classes: Mapping[Priority, Mapping[str, float]] = field(default_factory=dict)
-    gold_reserve: Optional[float] = None
-    silver_burst: Optional[float] = None
-    bronze_limit: Optional[float] = None
-    bronze_shed_after_s: Optional[float] = None
-    max_buffered: Optional[int] = None
+    #: Fraction of the budget the class is guaranteed while it has demand.
+    share: float = knob(0.0, "SHARE", float, lo=0)
+    #: Hard aging bound, seconds: a job that waited this long goes before all others.
+    max_wait_s: float = knob(60.0, "MAX_WAIT_S", float, gt=0)
+    #: Seconds a job blocked by the budget waits before the budget is held for it.
+    reserve_after_s: float = knob(0.0, "RESERVE_AFTER_S", float, lo=0)
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "PolicySettings":
-        classes = {}
+
+#: Per-request token ceilings relative to the configured base (fixed by the design).
+CEILING_FACTOR = {Priority.HIGH: 2.0, Priority.NORMAL: 1.0, Priority.LOW: 0.25}
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The admission policy's knobs (scheduler/policy.py says how each is used); the
+    API reads the ceilings from here too."""
+
+    #: Normal's per-request ceiling in tokens (prompt + max_new_tokens); high gets 2×,
+    #: low 1/4. 4096 lets a normal job fill a 4k context.
+    base_ceiling_tokens: int = knob(4096, "BASE_CEILING_TOKENS", int)
+    #: Seconds of waiting worth one priority class when borrowing: a low job that
+    #: waited 2 × aging_s ranks with a fresh high one.
+    aging_s: float = knob(20.0, "AGING_S", float)
+    # A high job lets smaller jobs pass it for at most a second, then holds the line.
+    # Its 60% share is what it may fill before other classes' shares come first.
+    high: ClassConfig = nested(lambda: ClassConfig(share=0.6, max_wait_s=30.0, reserve_after_s=1.0), "HIGH_")
+    normal: ClassConfig = nested(lambda: ClassConfig(share=0.3, max_wait_s=90.0, reserve_after_s=5.0), "NORMAL_")
+    low: ClassConfig = nested(lambda: ClassConfig(share=0.1, max_wait_s=180.0, reserve_after_s=10.0), "LOW_")
+    #: Default gold reserve per gold tenant, fraction of the budget (Tenant.share overrides).
+    gold_reserve: float = knob(0.2, "GOLD_RESERVE", float)
+    #: Default burst cap of a silver tenant, fraction of the budget.
+    silver_burst: float = knob(0.6, "SILVER_BURST", float)
+    #: Default hard limit of a bronze tenant, fraction of the budget.
+    bronze_limit: float = knob(0.2, "BRONZE_LIMIT", float)
+    #: Seconds a bronze job may wait before it is shed (the API answers 503 for it).
+    bronze_shed_after_s: float = knob(30.0, "BRONZE_SHED_AFTER_S", float)
+    #: Jobs buffered per class before its partitions pause: the policy's lookahead. Also
+    #: bounds what a crashed replica leaves for redelivery.
+    max_buffered: int = knob(64, "MAX_BUFFERED", int)
+
+    def __post_init__(self) -> None:
+        if self.base_ceiling_tokens < 4:
+            raise ValueError(f"base_ceiling_tokens={self.base_ceiling_tokens} must be >= 4 (low gets a quarter) "
+                             "(KVFLEET_BASE_CEILING_TOKENS)")
+        for name in ("aging_s", "bronze_shed_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds (KVFLEET_{name.upper()})")
         for p in Priority:
-            knobs = {k: _optional(env, f"{p.value.upper()}_{k.upper()}", float)
-                     for k in ("share", "max_wait_s", "reserve_after_s")}
-            classes[p] = {k: v for k, v in knobs.items() if v is not None}
-        return cls(
-            base_ceiling_tokens=_optional(env, "BASE_CEILING_TOKENS", int),
-            aging_s=_optional(env, "AGING_S", float),
-            classes={p: c for p, c in classes.items() if c},
-            gold_reserve=_optional(env, "GOLD_RESERVE", float),
-            silver_burst=_optional(env, "SILVER_BURST", float),
-            bronze_limit=_optional(env, "BRONZE_LIMIT", float),
-            bronze_shed_after_s=_optional(env, "BRONZE_SHED_AFTER_S", float),
-            max_buffered=_optional(env, "MAX_BUFFERED", int),
-        )
+            c, var = self.of(p), f"KVFLEET_{p.value.upper()}"
+            if not 0.0 <= c.share <= 1.0:
+                raise ValueError(f"{p.value}.share={c.share} must be within [0, 1] ({var}_SHARE)")
+            if not c.max_wait_s > 0:
+                raise ValueError(f"{p.value}.max_wait_s={c.max_wait_s} must be > 0 seconds ({var}_MAX_WAIT_S)")
+            if not 0.0 <= c.reserve_after_s <= c.max_wait_s:
+                raise ValueError(f"{p.value}.reserve_after_s={c.reserve_after_s} must be within [0, max_wait_s="
+                                 f"{c.max_wait_s}] ({var}_RESERVE_AFTER_S, {var}_MAX_WAIT_S)")
+        total = sum(self.of(p).share for p in Priority)
+        if total > 1.0 + 1e-9:
+            raise ValueError(f"class shares sum to {total:.2f}; guarantees cannot exceed the budget (<= 1) "
+                             "(KVFLEET_HIGH_SHARE, KVFLEET_NORMAL_SHARE, KVFLEET_LOW_SHARE)")
+        for name in ("gold_reserve", "silver_burst", "bronze_limit"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be within (0, 1] (KVFLEET_{name.upper()})")
+        if self.max_buffered < 1:
+            raise ValueError(f"max_buffered={self.max_buffered} must be >= 1 (KVFLEET_MAX_BUFFERED)")
+
+    def of(self, priority: Priority) -> ClassConfig:
+        return {Priority.HIGH: self.high, Priority.NORMAL: self.normal, Priority.LOW: self.low}[priority]
+
+    def ceiling(self, priority: Priority) -> int:
+        return int(self.base_ceiling_tokens * CEILING_FACTOR[priority])
+
+    def replace(self, **changes) -> "PolicyConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs (workers/engine/), checked once when built."""
+
+    #: Tokens per KV block: the unit of allocation, sharing and cold-tier transfer.
+    #: 16 keeps the waste of a half-filled last block small and a block's copy worth
+    #: a round trip. A power of two, as the Triton kernels index blocks with shifts.
+    block_size: int = knob(16, "BLOCK_SIZE", int, lo=1)
+    #: KV pool size in blocks. When None, as many blocks as fit in `kv_memory_bytes`.
+    num_blocks: Optional[int] = knob(None, "NUM_BLOCKS", _optional_int, lo=1)
+    #: Memory for the KV pool (K and V of every layer), bytes: the worker's token capacity.
+    kv_memory_bytes: int = knob(256 * 2**20, "KV_MEMORY_BYTES", int, lo=1)
+    #: Sequences holding blocks at once: the largest decode batch.
+    max_num_seqs: int = knob(64, "MAX_NUM_SEQS", int, lo=1)
+    #: Tokens computed per step, prefill and decode together. Bounds one step's
+    #: latency (a long prompt is prefilled in chunks of this) and its activation memory.
+    max_num_batched_tokens: int = knob(2048, "MAX_NUM_BATCHED_TOKENS", int, lo=1)
+    #: Longest prompt + output, tokens. None: the model's context.
+    max_model_len: Optional[int] = knob(None, "MAX_MODEL_LEN", _optional_int, lo=2)
+    #: Kernel backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+    kernels: str = knob("auto", "KERNELS", choices=("auto", "triton", "torch"))
+    #: Attention path: "paged" (the backend's paged kernel) or "sdpa" (gather + SDPA).
+    attention: str = knob("paged", "ATTENTION", choices=("paged", "sdpa"))
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size} (KVFLEET_BLOCK_SIZE)")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (or None to size the pool by kv_memory_bytes), "
+                             f"got {self.num_blocks}")
+        for name in ("kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)} "
+                                 f"(KVFLEET_{name.upper()})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (one prompt and one new token), got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    metrics_port: int = 9102  # 0 = no metrics endpoint
+    metrics_port: int = knob(9102, "WORKER_METRICS_PORT", int, lo=0)  # 0 = no endpoint
     #: Celery task threads feeding the engine. 0 = the engine's max_num_seqs, so the
     #: tasks a worker takes are bounded by what its engine can run at once.
-    concurrency: int = 0
-    #: The engine's KV pool (the hot tier), bytes: sets the worker's token capacity.
-    kv_memory_bytes: int = 256 * 2**20
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    concurrency: int = knob(0, "WORKER_CONCURRENCY", int, lo=0)
     #: Seconds before Redis hands an unacknowledged task to another worker. It counts
     #: from *delivery*, not from start: a task that waits in a prefetch buffer longer
     #: than this is delivered twice. So prefetch is 1 per thread, and the job's run
     #: lease (not this timeout) is what keeps two copies from both running.
-    visibility_timeout_s: float = 300.0
+    visibility_timeout_s: float = knob(300.0, "VISIBILITY_TIMEOUT_S", float, gt=0)
 
 
 @dataclass(frozen=True)
 class ColdTierSettings:
     """The KV cache's Redis tier (kvstore/), on the cache instance (`RedisSettings.cache_url`)."""
 
-    enabled: bool = True
+    enabled: bool = knob(True, "COLD_TIER", _bool)
     #: Logical lifetime of a spilled block, seconds; the key lives `grace_s` longer and
     #: both are jittered ±10% so blocks spilled together do not expire together.
-    ttl_s: float = 3600.0
-    grace_s: float = 600.0
+    ttl_s: float = knob(3600.0, "COLD_TTL_S", float, gt=0)
+    grace_s: float = knob(600.0, "COLD_GRACE_S", float, gt=0)
     #: "none" keeps the pool's dtype; "int8" halves the bytes of fp16 blocks.
-    quant: str = "none"
+    quant: str = knob("none", "COLD_QUANT", str.lower, choices=("none", "int8"))
     #: Bytes of evicted blocks queued for the spill thread before spills are dropped
     #: (counted), so a slow Redis never stalls the engine.
-    spill_max_bytes: int = 256 * 2**20
+    spill_max_bytes: int = knob(256 * 2**20, "COLD_SPILL_MAX_BYTES", int, lo=0)
     #: A prompt prefix of at least this many full blocks that is in neither tier is
     #: prefilled by one worker of the fleet while the others wait for it (stampede
     #: protection); shorter ones are cheaper to recompute than to coordinate.
-    single_flight_min_blocks: int = 4
+    single_flight_min_blocks: int = knob(4, "PREFIX_SINGLE_FLIGHT_MIN_BLOCKS", int, lo=1)
 
 
 @dataclass(frozen=True)
 class Settings:
-    kafka: KafkaSettings = KafkaSettings()
-    redis: RedisSettings = RedisSettings()
-    model: ModelSettings = ModelSettings()
-    api: ApiSettings = ApiSettings()
-    scheduler: SchedulerSettings = SchedulerSettings()
-    policy: PolicySettings = PolicySettings()
-    worker: WorkerSettings = WorkerSettings()
-    cold_tier: ColdTierSettings = ColdTierSettings()
-    log_level: str = "INFO"
+    kafka: KafkaSettings = nested(KafkaSettings)
+    redis: RedisSettings = nested(RedisSettings)
+    model: ModelSettings = nested(ModelSettings)
+    api: ApiSettings = nested(ApiSettings)
+    scheduler: SchedulerSettings = nested(SchedulerSettings)
+    policy: PolicyConfig = nested(PolicyConfig)
+    engine: EngineConfig = nested(EngineConfig)
+    worker: WorkerSettings = nested(WorkerSettings)
+    cold_tier: ColdTierSettings = nested(ColdTierSettings)
+    #: Tenants with tier, quota and API keys: JSON, or "@path" to a JSON file
+    #: (kvfleet/tenancy.py). Empty: development, any X-Tenant-ID, no quota.
+    tenants: str = knob("", "TENANTS")
+    #: Where local installs, servers' data and logs live, outside any clone, so a
+    #: second clone (CI's) reuses what the first downloaded.
+    home: str = knob(str(Path.home() / ".cache" / "kvfleet"), "HOME")
+    log_level: str = knob("INFO", "LOG_LEVEL", str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
-        env = os.environ if env is None else env
-        api_port = _int(env, "API_PORT", 8000, lo=1)
-        api_host = _env(env, "API_HOST", "127.0.0.1")
-        return cls(
-            kafka=KafkaSettings(
-                bootstrap=_env(env, "KAFKA_BOOTSTRAP", KafkaSettings.bootstrap),
-                topic_prefix=_env(env, "TOPIC_PREFIX", constants.DEFAULT_TOPIC_PREFIX),
-                group=_env(env, "SCHEDULER_GROUP", constants.SCHEDULER_GROUP),
-                partitions=_int(env, "KAFKA_PARTITIONS", constants.PARTITIONS_PER_TOPIC, lo=1),
-            ),
-            redis=RedisSettings(
-                url=_env(env, "REDIS_URL", RedisSettings.url),
-                cache_url=_env(env, "CACHE_REDIS_URL", RedisSettings.cache_url),
-                key_prefix=_env(env, "KEY_PREFIX", constants.DEFAULT_KEY_PREFIX),
-            ),
-            model=ModelSettings(
-                source=_env(env, "MODEL", ModelSettings.source),
-                device=_env(env, "DEVICE", "auto"),
-                dtype=_env(env, "DTYPE", "auto"),
-            ),
-            api=ApiSettings(
-                host=api_host,
-                port=api_port,
-                public_url=_env(env, "PUBLIC_URL", f"http://{api_host}:{api_port}"),
-                api_keys=parse_api_keys(_env(env, "API_KEYS", "")),
-                default_tenant=_env(env, "DEFAULT_TENANT", "default"),
-                max_wait_s=_float(env, "MAX_WAIT_S", 60.0, gt=0),
-                default_timeout_s=_float(env, "DEFAULT_TIMEOUT_S", 600.0, gt=0),
-                max_backlog={p: _int(env, f"MAX_BACKLOG_{p.value.upper()}", n, lo=1)
-                             for p, n in ApiSettings().max_backlog.items()},
-                overload_utilization=_float(env, "OVERLOAD_UTILIZATION", 0.9, gt=0),
-                overload_backlog=_int(env, "OVERLOAD_BACKLOG", 64, lo=0),
-            ),
-            scheduler=SchedulerSettings(
-                metrics_port=_int(env, "SCHEDULER_METRICS_PORT", 9101, lo=0),
-                poll_timeout_ms=_int(env, "POLL_TIMEOUT_MS", 200, lo=1),
-                max_poll_records=_int(env, "MAX_POLL_RECORDS", 500, lo=1),
-                busy_poll_ms=_int(env, "BUSY_POLL_MS", 20, lo=1),
-                capacity_ceiling_tokens=_int(env, "CAPACITY_CEILING_TOKENS", 0, lo=0),
-                admit_lease_s=_float(env, "ADMIT_LEASE_S", 60.0, gt=0),
-                rejoin_after_s=_float(env, "SCHEDULER_REJOIN_AFTER_S", 60.0, gt=0),
-            ),
-            policy=PolicySettings.from_env(env),
-            worker=WorkerSettings(
-                metrics_port=_int(env, "WORKER_METRICS_PORT", 9102, lo=0),
-                concurrency=_int(env, "WORKER_CONCURRENCY", 0, lo=0),
-                kv_memory_bytes=_int(env, "KV_MEMORY_BYTES", 256 * 2**20, lo=1),
-                block_size=_int(env, "BLOCK_SIZE", 16, lo=1),
-                max_num_seqs=_int(env, "MAX_NUM_SEQS", 64, lo=1),
-                max_num_batched_tokens=_int(env, "MAX_NUM_BATCHED_TOKENS", 2048, lo=1),
-                visibility_timeout_s=_float(env, "VISIBILITY_TIMEOUT_S", 300.0, gt=0),
-            ),
-            cold_tier=ColdTierSettings(
-                enabled=_bool(env, "COLD_TIER", True),
-                ttl_s=_float(env, "COLD_TTL_S", 3600.0, gt=0),
-                grace_s=_float(env, "COLD_GRACE_S", 600.0, gt=0),
-                quant=_choice(env, "COLD_QUANT", "none", ("none", "int8")),
-                spill_max_bytes=_int(env, "COLD_SPILL_MAX_BYTES", 256 * 2**20, lo=0),
-                single_flight_min_blocks=_int(env, "PREFIX_SINGLE_FLIGHT_MIN_BLOCKS", 4, lo=1),
-            ),
-            log_level=_env(env, "LOG_LEVEL", "INFO").upper(),
-        )
+        return _from_env(cls(), os.environ if env is None else env)
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)
-
-
-def parse_api_keys(raw: str) -> dict[str, str]:
-    """'k1:acme,k2:globex' -> {'k1': 'acme', 'k2': 'globex'}; each key maps to one tenant."""
-    keys: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in raw.split(","))):
-        key, sep, tenant = item.partition(":")
-        if not sep or not key or not tenant:
-            raise ValueError(f"KVFLEET_API_KEYS entry {item!r} must look like 'apikey:tenant'")
-        if key in keys:
-            raise ValueError(f"KVFLEET_API_KEYS lists key {key[:4]}… twice; a key maps to one tenant")
-        keys[key] = tenant
-    return keys

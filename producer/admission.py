@@ -20,7 +20,8 @@ from typing import Optional
 from kvfleet.contracts import JobRequest, Priority
 from kvfleet.settings import ApiSettings
 from producer.pressure import Pressure
-from scheduler.policy import PendingJob, PolicyConfig, ceiling_verdict
+from kvfleet.settings import PolicyConfig
+from scheduler.policy import PendingJob, ceiling_verdict
 from scheduler.quota import Quotas
 from scheduler.tenants import Tenant, Tier
 

@@ -43,7 +43,7 @@ from producer.pressure import Pressure
 from producer.publisher import EnqueueError, Publisher
 from producer.validation import BadRequest, ModelLimits, build_request, load_limits
 from scheduler.capacity import FleetCapacity
-from scheduler.config import Tenancy, policy_config
+from scheduler.config import Tenancy
 from scheduler.ledger import Ledger
 from scheduler.quota import Quotas
 from scheduler.tenants import Tenant
@@ -76,7 +76,7 @@ def create_app(settings: Settings, *, limits: Optional[ModelLimits] = None, tena
     capacity = FleetCapacity(sync_redis, keys, ceiling_tokens=settings.scheduler.capacity_ceiling_tokens or None)
     pressure = Pressure(settings.kafka, Ledger(sync_redis, keys), capacity)
     quotas = Quotas(sync_redis, keys, tenancy.directory) if tenancy.directory is not None else None
-    gate = Gate(settings.api, policy_config(settings.policy), pressure, quotas)
+    gate = Gate(settings.api, settings.policy, pressure, quotas)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -255,7 +255,7 @@ def _priority(header: Optional[str], body: Optional[Priority]) -> Priority:
 
 
 def _accepted(settings: Settings, job_id: str, status: str) -> dict:
-    return {"job_id": job_id, "status": status, "url": f"{settings.api.public_url}/v1/jobs/{job_id}"}
+    return {"job_id": job_id, "status": status, "url": f"{settings.api.base_url}/v1/jobs/{job_id}"}
 
 
 def main() -> None:

@@ -1,5 +1,4 @@
-"""What the API and the scheduler must agree on, built once at each entry point:
-the admission policy's configuration and the tenants.
+"""The tenants the API and the scheduler must agree on, built once at each entry point.
 
 `Tenancy` joins the two places tenants come from: `KVFLEET_TENANTS` (tiers, quotas and
 API keys; `scheduler.tenants`) and the older `KVFLEET_API_KEYS` (`key:tenant`). Either
@@ -13,25 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Mapping, Optional
 
-from kvfleet.settings import PolicySettings
-from scheduler.policy import PolicyConfig
 from scheduler.tenants import ENV_VAR, Tenant, TenantDirectory, Tier
 
 #: A development tenant: no practical quota (10^9 tokens a minute), the whole fleet.
 _DEV_TOKENS_PER_MINUTE = 10**9
-
-
-def policy_config(s: PolicySettings) -> PolicyConfig:
-    """The defaults of `PolicyConfig` with the operator's overrides applied."""
-    base = PolicyConfig()
-    changes = {k: v for k, v in dataclasses.asdict(s).items() if v is not None and k != "classes"}
-    for priority, knobs in s.classes.items():
-        changes[priority.value] = dataclasses.replace(base.of(priority), **knobs)
-    try:
-        return base.replace(**changes)
-    except ValueError as exc:  # PolicyConfig names the field; say where it came from
-        raise ValueError(f"scheduler policy: {exc} (set as KVFLEET_<KNOB>, per class KVFLEET_<CLASS>_<KNOB>, "
-                         "e.g. KVFLEET_LOW_RESERVE_AFTER_S)") from None
 
 
 class _AnyTenant(Mapping[str, Tenant]):

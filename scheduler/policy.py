@@ -36,84 +36,12 @@ What one `schedule()` call does, in order:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from kvfleet.contracts import JobRequest, Priority
+from kvfleet.settings import PolicyConfig
 from scheduler.tenants import Tenant, Tier
-
-#: Per-request token ceilings relative to the configured base (fixed by the design).
-CEILING_FACTOR = {Priority.HIGH: 2.0, Priority.NORMAL: 1.0, Priority.LOW: 0.25}
-
-
-@dataclass(frozen=True)
-class ClassConfig:
-    #: Fraction of the budget the class is guaranteed while it has demand.
-    share: float
-    #: Hard aging bound, seconds: a job that waited this long goes before all others.
-    max_wait_s: float
-    #: Seconds a job blocked by the budget waits before the budget is held for it.
-    reserve_after_s: float
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    #: Normal's per-request ceiling in tokens (prompt + max_new_tokens); high gets 2×,
-    #: low 1/4. 4096 lets a normal job fill a 4k context.
-    base_ceiling_tokens: int = 4096
-    #: Seconds of waiting worth one priority class when borrowing (level 2): a low job
-    #: that waited 2 × aging_s ranks with a fresh high one.
-    aging_s: float = 20.0
-    # A high job lets smaller jobs pass it for at most a second, then holds the line.
-    # Its 60% share is what it may fill before other classes' shares come first.
-    high: ClassConfig = ClassConfig(share=0.6, max_wait_s=30.0, reserve_after_s=1.0)
-    normal: ClassConfig = ClassConfig(share=0.3, max_wait_s=90.0, reserve_after_s=5.0)
-    low: ClassConfig = ClassConfig(share=0.1, max_wait_s=180.0, reserve_after_s=10.0)
-    #: Default gold reserve per gold tenant, fraction of the budget (Tenant.share overrides).
-    gold_reserve: float = 0.2
-    #: Default burst cap of a silver tenant, fraction of the budget.
-    silver_burst: float = 0.6
-    #: Default hard limit of a bronze tenant, fraction of the budget.
-    bronze_limit: float = 0.2
-    #: Seconds a bronze job may wait before it is shed (the API answers 503 for it).
-    bronze_shed_after_s: float = 30.0
-    #: Jobs buffered per class before its partitions pause: the policy's lookahead. Also
-    #: bounds what a crashed replica leaves for redelivery.
-    max_buffered: int = 64
-
-    def __post_init__(self) -> None:
-        if self.base_ceiling_tokens < 4:
-            raise ValueError(f"base_ceiling_tokens={self.base_ceiling_tokens} must be >= 4 (low gets a quarter)")
-        for name in ("aging_s", "bronze_shed_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
-        for p in Priority:
-            c = self.of(p)
-            if not 0.0 <= c.share <= 1.0:
-                raise ValueError(f"{p.value}.share={c.share} must be within [0, 1]")
-            if not c.max_wait_s > 0:
-                raise ValueError(f"{p.value}.max_wait_s={c.max_wait_s} must be > 0 seconds")
-            if not 0.0 <= c.reserve_after_s <= c.max_wait_s:
-                raise ValueError(f"{p.value}.reserve_after_s={c.reserve_after_s} must be within [0, max_wait_s]")
-        total = sum(self.of(p).share for p in Priority)
-        if total > 1.0 + 1e-9:
-            raise ValueError(f"class shares sum to {total:.2f}; guarantees cannot exceed the budget (<= 1)")
-        for name in ("gold_reserve", "silver_burst", "bronze_limit"):
-            if not 0.0 < getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be within (0, 1]")
-        if self.max_buffered < 1:
-            raise ValueError(f"max_buffered={self.max_buffered} must be >= 1")
-
-    def of(self, priority: Priority) -> ClassConfig:
-        return {Priority.HIGH: self.high, Priority.NORMAL: self.normal, Priority.LOW: self.low}[priority]
-
-    def ceiling(self, priority: Priority) -> int:
-        return int(self.base_ceiling_tokens * CEILING_FACTOR[priority])
-
-    def replace(self, **changes) -> "PolicyConfig":
-        return dataclasses.replace(self, **changes)
-
 
 @dataclass(frozen=True)
 class PendingJob:

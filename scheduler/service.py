@@ -47,7 +47,7 @@ from kvfleet.kafka import ensure_topics, make_consumer, make_producer
 from kvfleet.settings import Settings
 from scheduler import metrics as m
 from scheduler.capacity import FleetCapacity
-from scheduler.config import Tenancy, policy_config
+from scheduler.config import Tenancy
 from scheduler.dispatch import Dispatcher, Ticket
 from scheduler.intake import PromptLength, Rejected, decode_record, dlq_headers, job_id_hint
 from scheduler.ledger import Ledger
@@ -94,7 +94,7 @@ class SchedulerService:
         self.capacity = capacity
         self.tenancy = tenancy
         self.prompt_len = prompt_len
-        self.policy = Policy(policy_config(settings.policy), tenancy.tenants)
+        self.policy = Policy(settings.policy, tenancy.tenants)
         self.stopping = threading.Event()
         self.waiting: dict[str, Waiting] = {}  # buffered in the policy, by job id
         self.resend: dict[str, Ticket] = {}  # admitted already: send again, outside the policy

@@ -6,7 +6,8 @@ import pytest
 
 from kvfleet.contracts import JobRequest, Priority
 from scheduler.baselines import StrictPriorityPolicy
-from scheduler.policy import Budget, ClassConfig, PendingJob, Policy, PolicyConfig
+from kvfleet.settings import ClassConfig, PolicyConfig
+from scheduler.policy import Budget, PendingJob, Policy
 from scheduler.simulator import ServiceModel, simulate
 from scheduler.tenants import Tenant, Tier
 

@@ -21,7 +21,7 @@ from kvfleet.contracts import JobRequest, JobState, Priority, encode
 from kvfleet.jobstore import Admit, JobStore
 from kvfleet.kafka import ensure_topics, make_consumer
 from kvfleet.settings import KafkaSettings, RedisSettings, Settings
-from scheduler.config import Tenancy, policy_config
+from scheduler.config import Tenancy
 from scheduler.intake import PromptLength
 from scheduler.ledger import Ledger
 from scheduler.offsets import OffsetBook
@@ -172,10 +172,10 @@ def test_commit_positions_stop_at_the_oldest_undecided_record():
 def test_policy_knobs_and_tenants_come_from_the_environment():
     settings = Settings.from_env({"KVFLEET_LOW_MAX_WAIT_S": "3", "KVFLEET_LOW_RESERVE_AFTER_S": "1",
                                   "KVFLEET_MAX_BUFFERED": "8"})
-    config = policy_config(settings.policy)
+    config = settings.policy
     assert config.low.max_wait_s == 3.0 and config.low.share == 0.1 and config.max_buffered == 8
     with pytest.raises(ValueError, match="low.reserve_after_s=10.0 .* KVFLEET_LOW_RESERVE_AFTER_S"):
-        policy_config(Settings.from_env({"KVFLEET_LOW_MAX_WAIT_S": "3"}).policy)  # below the default hold
+        Settings.from_env({"KVFLEET_LOW_MAX_WAIT_S": "3"})  # below the default hold
     dev = Tenancy.from_env({})
     assert not dev.configured and dev.get("anyone").share == 1.0
     env = {"KVFLEET_TENANTS": '{"tenants": [{"name": "acme", "tier": "gold", "tokens_per_minute": 60,'

@@ -10,9 +10,26 @@ from kvfleet.settings import Settings, parse_api_keys
 def test_defaults_and_overrides():
     s = Settings.from_env({"KVFLEET_TOPIC_PREFIX": "x.req", "KVFLEET_API_PORT": "9000", "KVFLEET_MAX_NUM_SEQS": "4"})
     assert s.kafka.topics == ["x.req.high", "x.req.normal", "x.req.low"] and s.kafka.dlq == "x.req.dlq"
-    assert s.api.public_url == "http://127.0.0.1:9000"
-    assert s.worker.max_num_seqs == 4
-    assert Settings.from_env({}).model.source == "builtin:tiny"
+    assert s.api.base_url == "http://127.0.0.1:9000"
+    assert s.engine.max_num_seqs == 4
+    assert Settings.from_env({}) == Settings()  # every default stated once, in the field
+    assert Settings.from_env({"KVFLEET_HIGH_SHARE": "0.5"}).policy.high.share == 0.5  # a class's knob
+    assert Settings.from_env({"KVFLEET_TENANTS": "@/etc/t.json"}).tenants == "@/etc/t.json"
+
+
+def test_every_setting_is_read_from_its_own_variable():
+    import dataclasses
+
+    def variables(obj, prefix=""):
+        for f in dataclasses.fields(obj):
+            if f.metadata.get("nested"):
+                yield from variables(getattr(obj, f.name), prefix + f.metadata["prefix"])
+            else:
+                assert "env" in f.metadata, f"{type(obj).__name__}.{f.name} has no KVFLEET_ variable"
+                yield f"KVFLEET_{prefix}{f.metadata['env']}"
+
+    names = list(variables(Settings()))
+    assert len(names) == len(set(names)), "two settings read the same variable"
 
 
 @pytest.mark.parametrize("env,message", [
@@ -20,6 +37,8 @@ def test_defaults_and_overrides():
     ({"KVFLEET_MAX_NUM_SEQS": "0"}, "KVFLEET_MAX_NUM_SEQS=0 must be >= 1"),
     ({"KVFLEET_VISIBILITY_TIMEOUT_S": "-1"}, "KVFLEET_VISIBILITY_TIMEOUT_S=-1.0 must be > 0"),
     ({"KVFLEET_API_KEYS": "justakey"}, "must look like 'apikey:tenant'"),
+    ({"KVFLEET_KERNELS": "cuda"}, "KVFLEET_KERNELS='cuda' must be one of auto, triton, torch"),
+    ({"KVFLEET_COLD_TIER": "maybe"}, "KVFLEET_COLD_TIER='maybe' is not a boolean"),
 ])
 def test_bad_values_name_the_variable(env, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -26,7 +26,7 @@ from workers.celery_app import make_celery
 from kvstore.blob import Quant
 from kvstore.coldtier import ColdTier, connect
 from kvstore.hooks import ColdTierHooks
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
 from workers.heartbeat import Heartbeat
 from workers.model.loader import load_model
 from workers.prefix import PrefixSharing, PrefixSharingEngine
@@ -52,18 +52,15 @@ def main() -> None:
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
     model = load_model(settings.model.source, device=settings.model.device, dtype=settings.model.dtype)
-    w = settings.worker
     hooks = ColdTierHooks()
-    engine = Engine(model, EngineConfig(block_size=w.block_size, kv_memory_bytes=w.kv_memory_bytes,
-                                        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens),
-                    hooks=hooks)
+    engine = Engine(model, settings.engine, hooks=hooks)
     generator = engine
     if settings.cold_tier.enabled:
         # The engine owns its pool only once built, so the tier is attached after.
         hooks.tier = cold_tier(settings, engine)
         generator = PrefixSharingEngine(engine, PrefixSharing(
             engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks))
-    concurrency = w.concurrency or w.max_num_seqs
+    concurrency = settings.worker.concurrency or settings.engine.max_num_seqs
     log.info("model loaded", extra={"model": model.name, "device": str(model.device), "dtype": str(model.dtype),
                                     "fingerprint": model.fingerprint,
                                     "kv_capacity_tokens": engine.stats().capacity_tokens})

@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from kvfleet.settings import Settings
+
 
 def home() -> Path:
     """Everything installed or started locally lives here, outside the clone, so a second
     clone (CI's) reuses what the first downloaded. Override with KVFLEET_HOME."""
-    path = Path(os.environ.get("KVFLEET_HOME", Path.home() / ".cache" / "kvfleet"))
+    path = Path(Settings.from_env().home)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -14,6 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfleet import constants
 from kvfleet.infra import procs
 
 HOST = "127.0.0.1"
@@ -41,11 +42,11 @@ class RedisInstance:
 
 
 STATE = RedisInstance(
-    "state", 16379,
+    "state", constants.STATE_REDIS_PORT,
     ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--maxmemory-policy", "noeviction"),
 )
 CACHE = RedisInstance(
-    "cache", 16380,
+    "cache", constants.CACHE_REDIS_PORT,
     ("--appendonly", "no", "--save", "", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"),
 )
 INSTANCES = (STATE, CACHE)

@@ -3,7 +3,7 @@
 Dependencies point one way: sequence <- block_manager <- scheduler <- engine -> model_runner.
 """
 
-from workers.engine.config import EngineConfig
+from kvfleet.settings import EngineConfig
 from workers.engine.engine import Engine, EngineStats, RequestHandle
 from workers.engine.errors import (
     EngineError, EngineStopped, InvalidRequest, PromptTooLong, RequestCancelled, StepFailed,

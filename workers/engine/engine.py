@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence as Seq
 from kvfleet.contracts import Completion, Sampling
 from workers.engine import metrics
 from workers.engine.block_manager import BlockManager, block_hash
-from workers.engine.config import EngineConfig
+from kvfleet.settings import EngineConfig
 from workers.engine.errors import EngineStopped, InvalidRequest, PromptTooLong, RequestCancelled, StepFailed
 from workers.engine.hooks import BlockHooks
 from workers.engine.model_runner import ModelRunner, kv_bytes_per_block
