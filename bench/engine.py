@@ -1,6 +1,7 @@
 """Engine throughput against the baseline a user would otherwise write, and prefix-cache TTFT.
 
-    python -m bench.engine [--quick] [--threads N] [--device cpu|cuda] [--results DIR]
+    python -m bench.engine [--quick] [--threads N] [--device cpu|cuda] [--kernels auto|triton|torch]
+                           [--attention paged|sdpa] [--results DIR]
     (from the repository root)
 
 1. Throughput (generated tokens/s) of the engine on builtin:bench with 1, 8, 32 and 64
@@ -21,21 +22,28 @@ bench/results/engine.json and bench/results/engine.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import sys
 import threading
 import time
 from pathlib import Path
 
-import matplotlib
-import psutil
-import torch
-import transformers
+# Run as a script, sys.path[0] is bench/, whose files would shadow the packages they are named after.
+if not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from kernels import ops
-from workers.engine import Engine, EngineConfig
-from workers.model import LoadedModel, load_model
+import matplotlib  # noqa: E402
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from kernels import ops  # noqa: E402
+from kvfleet.settings import Settings  # noqa: E402
+from workers.engine import Engine, EngineConfig  # noqa: E402
+from workers.model import LoadedModel, load_model  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
@@ -71,8 +79,8 @@ def workload(n: int, seed: int, prompt_lens: tuple[int, int], output_lens: tuple
             for _ in range(n)]
 
 
-def run_engine(loaded: LoadedModel, requests: list[Request], concurrency: int) -> dict:
-    config = EngineConfig(kv_memory_bytes=512 * 2**20, max_num_seqs=concurrency)
+def run_engine(loaded: LoadedModel, requests: list[Request], concurrency: int, base: EngineConfig) -> dict:
+    config = dataclasses.replace(base, kv_memory_bytes=512 * 2**20, max_num_seqs=concurrency)
     with Engine(loaded, config) as engine:
         engine.generate("warm-up", requests[0][0][:8], 2)
         with PeakRss() as rss:
@@ -115,12 +123,12 @@ def run_hf(model: transformers.LlamaForCausalLM, requests: list[Request]) -> dic
             "peak_rss_mib": rss.mib}
 
 
-def run_prefix(loaded: LoadedModel, n: int, prefix_len: int, cached: bool) -> dict:
+def run_prefix(loaded: LoadedModel, n: int, prefix_len: int, cached: bool, base: EngineConfig) -> dict:
     rng = random.Random(7)
     shared = [rng.randrange(256) for _ in range(prefix_len)]
     prefixes = [shared if cached else [rng.randrange(256) for _ in range(prefix_len)] for _ in range(n)]
     prompts = [p + [rng.randrange(256) for _ in range(32)] for p in prefixes]
-    with Engine(loaded, EngineConfig(kv_memory_bytes=1024 * 2**20, max_num_seqs=64)) as engine:
+    with Engine(loaded, dataclasses.replace(base, kv_memory_bytes=1024 * 2**20, max_num_seqs=64)) as engine:
         if cached:
             engine.generate("warm-prefix", shared + [1, 2, 3], 1)
         with PeakRss() as rss:
@@ -151,20 +159,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests, shorter outputs (about two minutes)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, for both sides")
     parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
+    env = Settings.from_env().engine  # KVFLEET_KERNELS / KVFLEET_ATTENTION, as a worker reads them
+    parser.add_argument("--kernels", choices=ops.BACKENDS, default=env.kernels,
+                        help="the engine's kernel backend (default: KVFLEET_KERNELS, else auto)")
+    parser.add_argument("--attention", choices=ops.ATTENTIONS, default=env.attention,
+                        help="the engine's attention path (default: KVFLEET_ATTENTION, else paged)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where engine.json and engine.png go")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
 
     loaded = load_model("builtin:bench", device=args.device)
+    base = EngineConfig(kernels=args.kernels, attention=args.attention)
+    kernels = ops.select(base.kernels, base.attention)  # what the engines below run
     prompt_lens, output_lens = (16, 256), ((32, 128) if args.quick else (64, 256))
     # Twice as many requests as slots (one at concurrency 1 aside): finished requests are
     # replaced mid-run, as in a steady stream, instead of the batch draining in one wave.
     sizes = {1: 4, 8: 16, 32: 64, 64: 128} if args.quick else {1: 8, 8: 32, 32: 128, 64: 256}
-    engine_runs = [run_engine(loaded, workload(n, c, prompt_lens, output_lens), c) for c, n in sizes.items()]
+    engine_runs = [run_engine(loaded, workload(n, c, prompt_lens, output_lens), c, base) for c, n in sizes.items()]
     hf = run_hf(to_transformers(loaded), workload(6 if args.quick else 16, 32, prompt_lens, output_lens))
     n_prefix = 16 if args.quick else 64
-    prefix = [run_prefix(loaded, n_prefix, 1024, cached=False), run_prefix(loaded, n_prefix, 1024, cached=True)]
+    prefix = [run_prefix(loaded, n_prefix, 1024, cached=False, base=base),
+              run_prefix(loaded, n_prefix, 1024, cached=True, base=base)]
 
     at_32 = next(r for r in engine_runs if r["concurrency"] == 32)
     results = {
@@ -174,8 +190,8 @@ def main() -> None:
         "setup": {"quick": args.quick, "threads": args.threads, "cpus": os.cpu_count(),
                   "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                   "prompt_lens": prompt_lens, "output_lens": output_lens,
-                  "device": str(loaded.device), "dtype": str(loaded.dtype), "kernels": ops.backend(),
-                  "attention": ops.attention(), "torch": torch.__version__},
+                  "device": str(loaded.device), "dtype": str(loaded.dtype), "kernels": kernels.backend,
+                  "attention": kernels.attention, "torch": torch.__version__},
     }
     print(f"{'run':<28}{'requests':>9}{'tokens/s':>11}{'vs HF':>8}{'peak RSS MiB':>14}")
     for r in engine_runs:

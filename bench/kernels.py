@@ -22,14 +22,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-# Run as a script, sys.path[0] is bench/, where this very file would shadow the
-# `kernels` package; put the repository root there instead.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:1] = [str(ROOT)]
+# Run as a script, sys.path[0] is bench/, whose files would shadow the packages they are named after.
+if not __package__:
+    sys.path[0] = str(ROOT)
 
 import torch  # noqa: E402
 
 from kernels import gather_sdpa, reference  # noqa: E402
+from kernels.contract import PagedBatch  # noqa: E402
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # a Llama-3-8B layer
 ATTN_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}  # max abs error vs the reference
@@ -78,7 +79,7 @@ def make_inputs(s: Shape, dtype: torch.dtype, device: str) -> tuple:
     q = torch.randn(s.batch * s.q_len, HQ, HEAD_DIM, generator=g).to(device, dtype)
     cu = torch.arange(0, s.batch + 1, dtype=torch.int32) * s.q_len
     ctx = torch.full((s.batch,), s.context, dtype=torch.int32)
-    return q, k_cache, v_cache, cu.to(device), ctx.to(device), tables.to(device), HEAD_DIM**-0.5
+    return q, k_cache, v_cache, PagedBatch(cu.to(device), ctx.to(device), tables.to(device)), HEAD_DIM**-0.5
 
 
 def timer(cuda: bool, quick: bool) -> Callable[[Callable[[], object]], float]:

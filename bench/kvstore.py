@@ -10,7 +10,7 @@ copy out of or into a block pool. Rounds alternate plain and cold tier so both s
 same machine load; medians are reported. Target: cold-tier load ≥ 70% of plain.
 
 The stampede: 4 processes × 50 threads ask for one missing prefix at once through
-ColdTier.ensure_prefix; the prefill (a sleep standing in for the model, then a store)
+ColdTier.ensure_prefix; the prefill (a sleep standing in for the model, then a write)
 is counted in Redis. TTFT: one 2,048-token prompt on the benchmark model, recomputed vs
 loaded from the cold tier vs found in the hot pool (measure_ttft).
 
@@ -34,16 +34,18 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-# Run as a script, sys.path[0] is bench/, where this very file would shadow the
-# `kvstore` package; put the repository root there instead.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:1] = [str(ROOT)]
+# Run as a script, sys.path[0] is bench/, whose files would shadow the packages they are named after.
+if not __package__:
+    sys.path[0] = str(ROOT)
 
 import redis  # noqa: E402
 import torch  # noqa: E402
 
+from kernels import ops  # noqa: E402
 from kvfleet.infra import redis as local_redis  # noqa: E402
 from kvfleet.constants import Keys  # noqa: E402
+from kvfleet.settings import ColdTierSettings  # noqa: E402
 from kvstore.blob import Quant  # noqa: E402
 from kvstore.coldtier import ColdTier, PrefixSource, connect  # noqa: E402
 
@@ -54,6 +56,10 @@ PIPELINE_BATCH = 8  # the spill writer's batch, and plain SET's
 STAMPEDE_PROCESSES, STAMPEDE_THREADS = 4, 50
 STAMPEDE_PREFIX_BLOCKS, PREFILL_S = 2, 0.5
 GiB = 1 << 30
+_COLD = ColdTierSettings()
+#: What every ColdTier here needs: the worker's defaults and kernels (Triton on CUDA pools).
+TIER_OPTIONS = dict(kernels=ops.select("auto", "paged"), quant=Quant(_COLD.quant), ttl_s=_COLD.ttl_s,
+                    grace_s=_COLD.grace_s, spill_max_bytes=_COLD.spill_max_bytes)
 
 
 def make_pool(num_blocks: int, seed: int = 0, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -74,12 +80,12 @@ def throughput(url: str, prefix: str, blocks: int, rounds: int, device: str) -> 
     src, dst = make_pool(blocks, seed=1, device=device), make_pool(blocks, seed=2, device=device)
     hashes = [f"{i:032x}" for i in range(blocks)]
     ids = list(range(blocks))
-    tiers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", src, quant=q, spill_max_bytes=4 * GiB,
-                         spill_batch=PIPELINE_BATCH) for q in Quant}
-    readers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", dst) for q in Quant}
+    tiers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", src, spill_batch=PIPELINE_BATCH,
+                         **{**TIER_OPTIONS, "quant": q, "spill_max_bytes": 4 * GiB}) for q in Quant}
+    readers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", dst, **TIER_OPTIONS) for q in Quant}
     blob_bytes = {}
     for q, tier in tiers.items():
-        tier.store(hashes[:1], ids[:1])
+        tier.write(tier.copy_out(hashes[:1], ids[:1]))
         blob_bytes[q] = client.strlen(tier.key(hashes[0]))
     plain_keys = [f"{prefix}:plain:{i}" for i in range(blocks)]
     plain_value = bytes(blob_bytes[Quant.NONE])  # the same bytes per block as an fp16 blob
@@ -143,14 +149,15 @@ def throughput(url: str, prefix: str, blocks: int, rounds: int, device: str) -> 
 def stampede_process(url: str, prefix: str, use_lock: bool, ready, go, out) -> None:
     client = connect(url, timeout_s=30.0)
     pool = make_pool(2 * STAMPEDE_PREFIX_BLOCKS)
-    tier = ColdTier(client, Keys(prefix), FINGERPRINT, pool, use_lock=use_lock, poll_s=0.05, wait_timeout_s=60)
+    tier = ColdTier(client, Keys(prefix), FINGERPRINT, pool, **TIER_OPTIONS, use_lock=use_lock, poll_s=0.05,
+                    wait_timeout_s=60)
     hashes = [f"{prefix}{i:08x}" for i in range(STAMPEDE_PREFIX_BLOCKS)]
     block_ids = list(range(STAMPEDE_PREFIX_BLOCKS))
 
-    def prefill() -> None:  # the model's work, then the store its waiters load from
+    def prefill() -> None:  # the model's work, then the write its waiters load from
         client.incr(f"{prefix}:prefills")
         time.sleep(PREFILL_S)
-        tier.store(hashes, block_ids)
+        tier.write(tier.copy_out(hashes, block_ids))
 
     latencies: list[float] = []
     barrier = threading.Barrier(STAMPEDE_THREADS)
@@ -217,7 +224,8 @@ def measure_ttft(url: str, runs: int) -> dict:
     def engine(prefix: str) -> tuple[Engine, ColdTier]:
         hooks = ColdTierHooks()
         e = Engine(model, EngineConfig(max_num_batched_tokens=TTFT_PROMPT_TOKENS), hooks=hooks)
-        hooks.tier = ColdTier(connect(url), Keys(prefix), e.block_manager.fingerprint, e.kv_cache)
+        hooks.tier = ColdTier(connect(url), Keys(prefix), e.block_manager.fingerprint, e.kv_cache,
+                              **{**TIER_OPTIONS, "kernels": e.kernels})
         return e, hooks.tier
 
     def ttft(e: Engine, request_id: str) -> float:
@@ -229,9 +237,10 @@ def measure_ttft(url: str, runs: int) -> dict:
         prefix = f"bench{uuid.uuid4().hex[:8]}"
         first, tier = engine(prefix)
         samples["recompute"].append(ttft(first, f"r{run}"))
-        hashes = first.prefix_hashes(prompt)
+        hashes = first.block_manager.prefix_hashes(prompt)
         # Publish the blocks as the fleet's single-flight prefill does (workers/prefix.py).
-        tier.write(first.call_soon(lambda: tier.copy_out(hashes, first.cached_block_ids(hashes))).result())
+        held = first.call_soon(lambda: tier.copy_out(hashes, first.block_manager.cached_block_ids(hashes)))
+        tier.write(held.result())
         samples["hot"].append(ttft(first, f"h{run}"))
         second, tier2 = engine(prefix)
         samples["cold"].append(ttft(second, f"c{run}"))

@@ -1,5 +1,5 @@
 """Scheduler benchmark: kvfleet's admission policy against FIFO and strict priority,
-replayed through the simulator (scheduler/simulator.py) with a virtual clock.
+replayed through the simulator (bench/sim/simulator.py) with a virtual clock.
 
     python bench/scheduler.py [--quick] [--seeds N] [--out bench/results]
 
@@ -41,10 +41,10 @@ import time
 import uuid
 from pathlib import Path
 
-# Run as a script, sys.path[0] is bench/, where this very file would shadow the
-# `scheduler` package; put the repository root there instead.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:1] = [str(ROOT)]
+# Run as a script, sys.path[0] is bench/, whose files would shadow the packages they are named after.
+if not __package__:
+    sys.path[0] = str(ROOT)
 
 import redis  # noqa: E402
 from kafka.admin import KafkaAdminClient  # noqa: E402
@@ -56,13 +56,15 @@ from kvfleet.contracts import JobRequest, Priority, WorkerHeartbeat, encode  # n
 from kvfleet.jobstore import JobStore  # noqa: E402
 from kvfleet.kafka import make_producer  # noqa: E402
 from kvfleet.settings import KafkaSettings, RedisSettings, Settings  # noqa: E402
-from scheduler.baselines import FifoPolicy, StrictPriorityPolicy  # noqa: E402
 from kvfleet.settings import PolicyConfig  # noqa: E402
+from kvfleet.tenancy import Tenant, Tier  # noqa: E402
+from kvfleet.tokenizer import ByteTokenizer  # noqa: E402
 from scheduler.policy import Policy  # noqa: E402
-from scheduler.simulator import JobRecord, Phase, SimResult, Workload, make_jobs, simulate  # noqa: E402
-from scheduler.tenants import Tenant, Tier  # noqa: E402
+from bench.sim.baselines import FifoPolicy, StrictPriorityPolicy  # noqa: E402
+from bench.sim.simulator import JobRecord, Phase, SimResult, Workload, make_jobs, simulate  # noqa: E402
 
 POLICIES = (Policy, FifoPolicy, StrictPriorityPolicy)
+HELLO = ByteTokenizer().encode("hello")  # builtin:tiny's tokens for "hello", as the API sends them
 CONFIG = PolicyConfig()
 TENANTS = {"gold-co": Tenant(name="gold-co", tier=Tier.GOLD, tokens_per_minute=10**9)}  # gold's reserve: the default
 BURST = (30.0, 40.0)
@@ -233,8 +235,7 @@ class _live:
             redis=RedisSettings(url=url, key_prefix=tag))
         self.client = redis.Redis.from_url(url)
         self.store = JobStore(self.client, self.settings.redis.keys)
-        beat = WorkerHeartbeat(worker_id="bench", model="builtin:tiny", fingerprint="bench", capacity_tokens=10**9,
-                               tokens_in_use=0, running=0, waiting=0, ts=time.time())
+        beat = WorkerHeartbeat(worker_id="bench", capacity_tokens=10**9)
         registry.publish(self.client, self.settings.redis.keys, beat, ttl_ms=3_600_000)
         self.scheduler = service.build(self.settings, client_id=f"{tag}-scheduler")
         self.loop = threading.Thread(target=self.scheduler.run, name="scheduler", daemon=True)
@@ -256,9 +257,9 @@ class _live:
         self.loop.start()
 
     def submit(self, job_id: str, priority: Priority, *, flush: bool = False) -> str:
-        """What the API does: record the job queued, then produce it (with its prompt length)."""
+        """What the API does: record the job queued, then produce it (its prompt tokenized)."""
         job = JobRequest(job_id=job_id, tenant="bench", priority=priority, model="builtin:tiny", max_new_tokens=16,
-                         submitted_at=time.time(), prompt="hello", prompt_len=5)
+                         submitted_at=time.time(), prompt_tokens=HELLO)
         self.store.create(job)
         self.producer.send(request_topic(self.settings.kafka.topic_prefix, priority), key=b"bench", value=encode(job))
         if flush:

@@ -1,6 +1,6 @@
 """Paged attention the other way round: gather K/V into contiguous memory, then SDPA.
 
-Same contract as kernels.reference.paged_attention. It copies every sequence's context
+contract.PagedAttention, as kernels.reference.paged_attention. It copies every sequence's context
 out of the pool (what reference.gather_kv does, batched and padded to the longest
 context) and hands one batched call to torch's scaled_dot_product_attention,
 which brings its own tuned kernels. The copy costs a read and a write of the whole
@@ -13,20 +13,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.contract import PagedBatch
 
-def paged_attention(
-    q: torch.Tensor,  # (T, Hq, D): the new tokens of B sequences, concatenated
-    k_cache: torch.Tensor,  # (NB, BS, Hkv, D), already holding the new tokens' K
-    v_cache: torch.Tensor,  # (NB, BS, Hkv, D), already holding the new tokens' V
-    cu_seqlens_q: torch.Tensor,  # (B+1,) int: q rows of sequence b are [cu[b], cu[b+1])
-    context_lens: torch.Tensor,  # (B,) int: tokens in cache per sequence, new ones included
-    block_tables: torch.Tensor,  # (B, max_blocks) int
-    scale: float,
-) -> torch.Tensor:  # (T, Hq, D)
-    """Causal attention of each sequence's new tokens over its whole cached context."""
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
+                    scale: float) -> torch.Tensor:
+    """contract.PagedAttention, through one padded, batched SDPA call."""
     t, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
-    b = context_lens.shape[0]
+    cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
+    b = batch.num_seqs
     if t == 0 or b == 0:
         return torch.empty_like(q)
     dev = q.device
@@ -48,7 +44,7 @@ def paged_attention(
     # Scatter the packed queries into a padded batch: token j of sequence s -> [s, j].
     seq = torch.repeat_interleave(torch.arange(b, device=dev), q_lens, output_size=t)  # (T,)
     row = torch.arange(t, device=dev) - cu_seqlens_q.long()[seq]  # (T,)
-    q_pad = q.new_zeros(b, max_q, hq, d)
+    q_pad = q.new_zeros(b, max_q, hq, d)  # (B, max_q, Hq, D)
     q_pad[seq, row] = q
     q_pad = q_pad.transpose(1, 2)  # (B, Hq, max_q, D)
 

@@ -1,18 +1,22 @@
-"""The KV kernels the engine calls, dispatched to Triton or to the torch reference.
+"""The KV kernels a caller holds: `select(backend, attention)` returns an immutable
+`Kernels`, one implementation of each operation of kernels/contract.py.
 
-The four functions have the signatures of kernels.reference (the contract). Which code
-runs behind them is decided once, at import or on set_backend(), never per call:
+The choice is made once, by whoever builds the engine (EngineConfig.kernels and
+.attention), and travels as an object; nothing here is global or read per call.
 
-    KVFLEET_KERNELS=auto    Triton where it can run: on CUDA tensors when triton imports
-                            and a GPU is present, or on any tensor when TRITON_INTERPRET=1;
-                            the torch reference for everything else (e.g. CPU tensors
-                            of the cold tier on a GPU machine). The default.
-    KVFLEET_KERNELS=triton  Triton for every call; ValueError now if it cannot run.
-    KVFLEET_KERNELS=torch   The torch reference for every call.
+    backend "auto"    Triton where it can run: on CUDA tensors when triton imports and
+                      a GPU is present, or on any tensor when TRITON_INTERPRET=1; the
+                      torch reference for everything else (e.g. CPU tensors of the
+                      cold tier on a GPU machine).
+    backend "triton"  Triton for every call; ValueError now if it cannot run.
+    backend "torch"   The torch reference for every call.
 
-Attention has a second, independent choice (KVFLEET_ATTENTION or set_attention()):
-"paged" runs the backend's paged attention, "sdpa" gathers K/V into contiguous memory
-and calls torch's scaled_dot_product_attention (kernels.gather_sdpa), on any backend.
+    attention "paged" the backend's paged attention.
+    attention "sdpa"  gather K/V into contiguous memory and call torch's
+                      scaled_dot_product_attention (kernels.gather_sdpa), on any backend.
+
+TRITON_INTERPRET is Triton's own switch (its jit decorator reads it); it is the only
+environment variable this package reads.
 """
 
 from __future__ import annotations
@@ -25,22 +29,41 @@ from typing import Callable
 import torch
 
 from kernels import gather_sdpa, reference, torch_attention
+from kernels.contract import DequantizeInt8, PagedAttention, QuantizeInt8, StoreKVCache
 
 BACKENDS = ("auto", "triton", "torch")
 ATTENTIONS = ("paged", "sdpa")
 
 
 @dataclass(frozen=True)
-class _Impl:
-    name: str
-    store_kvcache: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    quantize_int8: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    dequantize_int8: Callable[..., torch.Tensor]
+class Kernels:
+    #: What runs: "triton" or "torch" (under "auto", CPU tensors still use torch).
+    backend: str
+    #: "paged" or "sdpa".
+    attention: str
+    store_kvcache: StoreKVCache
+    paged_attention: PagedAttention
+    quantize_int8: QuantizeInt8
+    dequantize_int8: DequantizeInt8
 
 
-_TORCH = _Impl(
-    "torch",
+def select(backend: str, attention: str) -> Kernels:
+    """The kernels for `backend` ("auto", "triton", "torch") and `attention` ("paged", "sdpa").
+
+    ValueError for an unknown name, or for "triton" where Triton cannot run.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    name, ops = _backend(backend)
+    store_kvcache, paged_attention, quantize_int8, dequantize_int8 = ops
+    if attention == "sdpa":
+        paged_attention = gather_sdpa.paged_attention
+    return Kernels(name, attention, store_kvcache, paged_attention, quantize_int8, dequantize_int8)
+
+
+_TORCH = (
     reference.store_kvcache,
     torch_attention.paged_attention,  # the reference, with a faster decode path
     reference.quantize_int8,
@@ -48,16 +71,28 @@ _TORCH = _Impl(
 )
 
 
-def _triton_impl() -> _Impl:
+def _backend(name: str) -> tuple[str, tuple[Callable, ...]]:
+    if name == "torch":
+        return "torch", _TORCH
+    why = _triton_unavailable()
+    if name == "triton":
+        if why:
+            raise ValueError(f"kernel backend 'triton' cannot run here: {why}; use auto or torch (KVFLEET_KERNELS)")
+        return "triton", _triton()
+    if why:  # auto
+        return "torch", _TORCH
+    if _interpreting():
+        return "triton", _triton()  # the interpreter runs CPU tensors too
+    return "triton", tuple(_on_cuda(fast, slow) for fast, slow in zip(_triton(), _TORCH))
+
+
+def _triton() -> tuple[Callable, ...]:
     # Imported here, not at the top: importing the kernel modules decorates them with
     # triton.jit, which fixes interpreter-or-GPU for the life of the process.
     from kernels import paged_attention as pa
     from kernels import quant_int8, store_kvcache as sk
 
-    return _Impl(
-        "triton", sk.store_kvcache, pa.paged_attention,
-        quant_int8.quantize_int8, quant_int8.dequantize_int8,
-    )
+    return sk.store_kvcache, pa.paged_attention, quant_int8.quantize_int8, quant_int8.dequantize_int8
 
 
 def _on_cuda(fast: Callable, slow: Callable) -> Callable:
@@ -69,106 +104,15 @@ def _on_cuda(fast: Callable, slow: Callable) -> Callable:
     return call
 
 
+def _interpreting() -> bool:
+    # kernels.launch.interpreting() says the same, but importing it imports triton.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _triton_unavailable() -> str | None:
     """Why Triton cannot run here, or None when it can."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available():
+    if _interpreting() or torch.cuda.is_available():
         return None
     return "no CUDA device and TRITON_INTERPRET is not 1"
-
-
-def _resolve(name: str) -> _Impl:
-    if name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
-    if name == "torch":
-        return _TORCH
-    why = _triton_unavailable()
-    if name == "triton":
-        if why:
-            raise ValueError(f"KVFLEET_KERNELS=triton cannot run here: {why}; use auto or torch")
-        return _triton_impl()
-    if why:  # auto
-        return _TORCH
-    tri = _triton_impl()
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return tri  # the interpreter runs CPU tensors too
-    return _Impl(
-        "triton",
-        *(_on_cuda(getattr(tri, f), getattr(_TORCH, f))
-          for f in ("store_kvcache", "paged_attention", "quantize_int8", "dequantize_int8")),
-    )
-
-
-def _attention(name: str, impl: _Impl) -> Callable[..., torch.Tensor]:
-    if name not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {ATTENTIONS}, got {name!r}")
-    return gather_sdpa.paged_attention if name == "sdpa" else impl.paged_attention
-
-
-_impl: _Impl = _resolve(os.environ.get("KVFLEET_KERNELS", "auto"))
-_attention_name: str = os.environ.get("KVFLEET_ATTENTION", "paged")
-_attend = _attention(_attention_name, _impl)
-
-
-def set_backend(name: str) -> None:
-    """Switch to "auto", "triton" or "torch"; ValueError if "triton" cannot run here."""
-    global _impl, _attend
-    _impl = _resolve(name)
-    _attend = _attention(_attention_name, _impl)
-
-
-def backend() -> str:
-    """The active backend, "triton" or "torch" (under auto, CPU tensors still use torch)."""
-    return _impl.name
-
-
-def set_attention(name: str) -> None:
-    """Switch paged_attention between "paged" (the backend's kernel) and "sdpa"."""
-    global _attention_name, _attend
-    _attend = _attention(name, _impl)
-    _attention_name = name
-
-
-def attention() -> str:
-    """The active attention path, "paged" or "sdpa"."""
-    return _attention_name
-
-
-def store_kvcache(
-    key: torch.Tensor,  # (T, Hkv, D)
-    value: torch.Tensor,  # (T, Hkv, D)
-    k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    slot_mapping: torch.Tensor,  # (T,) int, -1 = skip
-) -> None:
-    """Scatter new K/V rows into the paged pool, in place."""
-    _impl.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-
-
-def paged_attention(
-    q: torch.Tensor,  # (T, Hq, D)
-    k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    cu_seqlens_q: torch.Tensor,  # (B+1,) int
-    context_lens: torch.Tensor,  # (B,) int
-    block_tables: torch.Tensor,  # (B, max_blocks) int
-    scale: float,
-) -> torch.Tensor:  # (T, Hq, D)
-    """Causal attention of each sequence's new tokens over its cached context."""
-    return _attend(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
-
-
-def quantize_int8(
-    x: torch.Tensor,  # (..., D) float
-) -> tuple[torch.Tensor, torch.Tensor]:  # (..., D) int8, (...,) float32
-    """Symmetric INT8 with one fp32 scale per row of D values."""
-    return _impl.quantize_int8(x)
-
-
-def dequantize_int8(
-    q: torch.Tensor,  # (..., D) int8
-    scale: torch.Tensor,  # (...,) float32
-    dtype: torch.dtype,
-) -> torch.Tensor:  # (..., D) dtype
-    return _impl.dequantize_int8(q, scale, dtype)

@@ -1,6 +1,6 @@
 """Triton paged attention: causal attention of new tokens over a paged KV cache.
 
-Same contract as kernels.reference.paged_attention: one kernel covers decode
+contract.PagedAttention, as kernels.reference.paged_attention: one kernel covers decode
 (q_len = 1), prefill (q_len = context_len) and prefill over a cached prefix, with
 ragged lengths in one batch and grouped-query attention.
 
@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.contract import PagedBatch
 from kernels.launch import check_device, head_block
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
@@ -73,14 +74,14 @@ def _attention_kernel(
 
     head = kvh * group + g  # (R,) query head
     token = (q_lo + m).to(tl.int64)  # (R,) row of q and out
-    q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]  # (R, 1) + (R, 1) + (1, D)
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)  # (R, D)
 
     # Running max (log2 domain), normaliser and output of the online softmax, fp32.
     # The max starts finite so an all-masked (padding) row gives exp2(-inf) = 0, not NaN.
-    m_i = tl.full([BLOCK_M * BLOCK_G], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_M * BLOCK_G], -1.0e30, tl.float32)  # (R,)
+    l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)  # (R,)
+    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)  # (R, D)
 
     # Causal: no row of this tile sees past its last query's position.
     last_m = tl.minimum((tile + 1) * BLOCK_M, q_len) - 1
@@ -92,16 +93,16 @@ def _attention_kernel(
         n = start + tl.arange(0, BLOCK_N)  # (N,) key positions
         n_ok = n < kv_hi
         # Page lookup per key: a step may span several pages of the block table.
-        block = tl.load(table + n // block_size, mask=n_ok, other=0).to(tl.int64)
+        block = tl.load(table + n // block_size, mask=n_ok, other=0).to(tl.int64)  # (N,)
         kv_off = block * stride_cb + (n % block_size) * stride_cs + kvh * stride_ch  # (N,)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]  # (N, D)
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
 
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (R, N)
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k))  # (R, N)
         s = s * scale_log2
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])  # (R, N)
         s = tl.where(visible, s, float("-inf"))
@@ -109,23 +110,23 @@ def _attention_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (R,)
         alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
         p = tl.exp2(s - m_new[:, None])  # (R, N)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # (R,)
         if IEEE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")  # (R, D) + (R, N) @ (N, D)
         else:
             # p in the cache dtype (bf16/fp16) for the tensor-core dot; accumulate in fp32.
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (R, D) + (R, N) @ (N, D)
         m_i = m_new
 
     if SPLIT:
         # Unnormalised partials; an empty split leaves l = 0, which the merge weighs as 0.
         row = (token[:, None] * num_q_heads + head[:, None]) * num_splits + split  # (R, 1)
-        tl.store(part_ptr + row * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
-        tl.store(stats_ptr + row * 2, m_i[:, None], mask=row_ok[:, None])
-        tl.store(stats_ptr + row * 2 + 1, l_i[:, None], mask=row_ok[:, None])
+        tl.store(part_ptr + row * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])  # (R, D)
+        tl.store(stats_ptr + row * 2, m_i[:, None], mask=row_ok[:, None])  # (R, 1)
+        tl.store(stats_ptr + row * 2 + 1, l_i[:, None], mask=row_ok[:, None])  # (R, 1)
     else:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (R, D) / (R, 1)
+        o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]  # (R, D)
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -145,11 +146,11 @@ def _merge_splits_kernel(
     row = (t.to(tl.int64) * num_q_heads + h) * num_splits + s  # (S,)
     m = tl.load(stats_ptr + row * 2, mask=s_ok, other=-1.0e30)  # (S,) log2-domain maxima
     l = tl.load(stats_ptr + row * 2 + 1, mask=s_ok, other=0.0)  # (S,)
-    part = tl.load(part_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    part = tl.load(part_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)  # (S, D)
     # Bring every split to the common max, as the online softmax would have.
     w = tl.exp2(m - tl.max(m, axis=0))  # (S,)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # (D,)
-    o_off = t.to(tl.int64) * stride_ot + h * stride_oh + d
+    o_off = t.to(tl.int64) * stride_ot + h * stride_oh + d  # (D,)
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
@@ -161,24 +162,23 @@ def _num_splits(programs: int, max_ctx: int, block_n: int) -> int:
 
 
 def paged_attention(
-    q: torch.Tensor,  # (T, Hq, D): the new tokens of B sequences, concatenated
-    k_cache: torch.Tensor,  # (NB, BS, Hkv, D), already holding the new tokens' K
-    v_cache: torch.Tensor,  # (NB, BS, Hkv, D), already holding the new tokens' V
-    cu_seqlens_q: torch.Tensor,  # (B+1,) int: q rows of sequence b are [cu[b], cu[b+1])
-    context_lens: torch.Tensor,  # (B,) int: tokens in cache per sequence, new ones included
-    block_tables: torch.Tensor,  # (B, max_blocks) int
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
     scale: float,
     *,
     block_m: int | None = None,
     block_n: int = KEYS_PER_STEP,
     num_splits: int | None = None,
-) -> torch.Tensor:  # (T, Hq, D)
-    """Causal attention of each sequence's new tokens over its whole cached context.
+) -> torch.Tensor:
+    """contract.PagedAttention.
 
     Keyword-only tuning knobs, chosen automatically when None: block_m (query tokens
     per tile), block_n (keys per step, a power of two >= 16) and num_splits (split-KV
     for decode; prefill does not split).
     """
+    cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
     check_device(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -186,15 +186,15 @@ def paged_attention(
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share one layout with head_dim contiguous")
-    out = torch.empty_like(q)
-    b = context_lens.shape[0]
+    out = torch.empty_like(q)  # (T, Hq, D)
+    b = batch.num_seqs
     if t == 0 or b == 0:
         return out
     group = hq // hkv
     block_g = triton.next_power_of_2(group)
     block_d = head_block(d)
     # One host sync: the grid must cover the longest query run and the longest context.
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # (B,)
     max_q_len, max_ctx = (int(x) for x in torch.stack([q_lens.max(), context_lens.max()]).tolist())
     if block_m is None:
         block_m = max(1, (MIN_ROWS if max_q_len == 1 else PREFILL_ROWS) // block_g)

@@ -36,14 +36,14 @@ def _quantize_kernel(
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     mask = (r[:, None] < n_rows) & (d[None, :] < head_dim)  # (ROWS, BLOCK_D)
-    offs = r[:, None].to(tl.int64) * head_dim + d[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs = r[:, None].to(tl.int64) * head_dim + d[None, :]  # (ROWS, BLOCK_D)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (ROWS, BLOCK_D)
     # Masked lanes load 0, so they never raise the absmax.
     absmax = tl.max(tl.abs(x), axis=1)  # (ROWS,)
     scale = tl.maximum(absmax * INV_127, 1e-8)  # (ROWS,), the reference's fp32 product
     # div_rn: IEEE division, as torch does; the default GPU division is approximate
     # and would move values that sit at a rounding boundary.
-    y = tl.math.div_rn(x, scale[:, None])
+    y = tl.math.div_rn(x, scale[:, None])  # (ROWS, BLOCK_D) / (ROWS, 1)
     q = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(scale_ptr + r, scale, mask=r < n_rows)
@@ -55,13 +55,13 @@ def _dequantize_kernel(
     n_rows, head_dim,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, BLOCK_D)
-    mask = (r[:, None] < n_rows) & (d[None, :] < head_dim)
-    offs = r[:, None].to(tl.int64) * head_dim + d[None, :]
-    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
-    scale = tl.load(scale_ptr + r, mask=r < n_rows, other=0.0)
-    tl.store(out_ptr + offs, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    mask = (r[:, None] < n_rows) & (d[None, :] < head_dim)  # (ROWS, BLOCK_D)
+    offs = r[:, None].to(tl.int64) * head_dim + d[None, :]  # (ROWS, BLOCK_D)
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)  # (ROWS, BLOCK_D)
+    scale = tl.load(scale_ptr + r, mask=r < n_rows, other=0.0)  # (ROWS,)
+    tl.store(out_ptr + offs, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)  # (ROWS, BLOCK_D)
 
 
 def _grid(n_rows: int, block_d: int) -> tuple[int, tuple[int]]:
@@ -69,16 +69,14 @@ def _grid(n_rows: int, block_d: int) -> tuple[int, tuple[int]]:
     return rows, (triton.cdiv(n_rows, rows),)
 
 
-def quantize_int8(
-    x: torch.Tensor,  # (..., D) float
-) -> tuple[torch.Tensor, torch.Tensor]:  # (..., D) int8, (...,) float32
-    """Symmetric INT8 with one scale per row of D values (per token and head)."""
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """contract.QuantizeInt8."""
     check_device(x)
     d = x.shape[-1]
     block_d = head_block(d)
-    x = x.contiguous()
-    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
-    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    x = x.contiguous()  # (..., D), rows of D values back to back: the kernel sees (R, D)
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)  # (..., D)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)  # (...,)
     n_rows = scale.numel()
     if n_rows:
         rows, grid = _grid(n_rows, block_d)
@@ -86,17 +84,14 @@ def quantize_int8(
     return q, scale
 
 
-def dequantize_int8(
-    q: torch.Tensor,  # (..., D) int8
-    scale: torch.Tensor,  # (...,) float32
-    dtype: torch.dtype,
-) -> torch.Tensor:  # (..., D) dtype
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """contract.DequantizeInt8."""
     check_device(q, scale)
     d = q.shape[-1]
     block_d = head_block(d)
-    q = q.contiguous()
-    scale = scale.to(torch.float32).contiguous()
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    q = q.contiguous()  # (..., D): the kernel sees (R, D)
+    scale = scale.to(torch.float32).contiguous()  # (...,): the kernel sees (R,)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)  # (..., D)
     n_rows = scale.numel()
     if n_rows:
         rows, grid = _grid(n_rows, block_d)

@@ -1,4 +1,4 @@
-"""Triton scatter of new K/V rows into the paged pool (same contract as the reference).
+"""Triton scatter of new K/V rows into the paged pool (contract.StoreKVCache).
 
 One program writes one (token, kv head) row of D values to both caches: a row is the
 unit the slot mapping addresses, and at D <= 256 it is one small vector load/store,
@@ -27,27 +27,22 @@ def _store_kvcache_kernel(
     h = tl.program_id(1)
     # int64: slot * row stride passes 2**31 elements in a pool of a few GiB.
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)  # (D,)
     # Slot -1 is padding: the whole row is masked off (a row length of 0) rather than
     # branched around.
     mask = d < tl.where(slot >= 0, head_dim, 0)
-    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d  # (D,)
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kvcache(
-    key: torch.Tensor,  # (T, Hkv, D)
-    value: torch.Tensor,  # (T, Hkv, D)
-    k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    slot_mapping: torch.Tensor,  # (T,) int, -1 = skip
-) -> None:
-    """Scatter new K/V rows into the paged pool, in place."""
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """contract.StoreKVCache."""
     check_device(key, value, k_cache, v_cache, slot_mapping)
-    t, hkv, d = key.shape
+    t, hkv, d = key.shape  # (T, Hkv, D)
     if t == 0:
         return
     if k_cache.stride() != v_cache.stride():

@@ -14,39 +14,29 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
+from kernels.contract import PagedBatch
 
 
-def paged_attention(
-    q: torch.Tensor,  # (T, Hq, D)
-    k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    cu_seqlens_q: torch.Tensor,  # (B+1,) int
-    context_lens: torch.Tensor,  # (B,) int
-    block_tables: torch.Tensor,  # (B, max_blocks) int
-    scale: float,
-) -> torch.Tensor:  # (T, Hq, D)
-    if q.shape[0] != context_lens.shape[0]:  # some sequence has several query rows: a prefill
-        return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
-    return decode(q, k_cache, v_cache, context_lens, block_tables, scale)
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
+                    scale: float) -> torch.Tensor:
+    """contract.PagedAttention: `decode` when every sequence has one query row, else the reference."""
+    if q.shape[0] != batch.num_seqs:  # some sequence has several query rows: a prefill
+        return reference.paged_attention(q, k_cache, v_cache, batch, scale)
+    return decode(q, k_cache, v_cache, batch, scale)
 
 
-def decode(
-    q: torch.Tensor,  # (B, Hq, D): one query row per sequence, at its last position
-    k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
-    context_lens: torch.Tensor,  # (B,) int
-    block_tables: torch.Tensor,  # (B, max_blocks) int
-    scale: float,
-) -> torch.Tensor:  # (B, Hq, D)
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
+           scale: float) -> torch.Tensor:
+    """contract.PagedAttention for a batch of one query row per sequence (B = T), at its last position."""
     hq, d = q.shape[1:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    out = torch.empty_like(q)
-    for b, ctx in enumerate(context_lens.tolist()):
-        blocks = block_tables[b, :(ctx + bs - 1) // bs].long()
-        k = k_cache[blocks].view(-1, hkv, d)[:ctx].float()  # (ctx, Hkv, D)
-        v = v_cache[blocks].view(-1, hkv, d)[:ctx].float()  # (ctx, Hkv, D)
-        qg = q[b].view(hkv, group, d).float()  # (Hkv, G, D): heads that share a KV head
+    out = torch.empty_like(q)  # (B, Hq, D)
+    for b, ctx in enumerate(batch.context_lens.tolist()):
+        blocks = batch.block_tables[b, :(ctx + bs - 1) // bs].long()  # (n_blocks,)
+        k = k_cache[blocks].view(-1, hkv, d)[:ctx].float()  # (n_blocks, BS, Hkv, D) -> (ctx, Hkv, D)
+        v = v_cache[blocks].view(-1, hkv, d)[:ctx].float()  # (n_blocks, BS, Hkv, D) -> (ctx, Hkv, D)
+        qg = q[b].view(hkv, group, d).float()  # (Hq, D) -> (Hkv, G, D): heads that share a KV head
         # The only query is the last position, so every cached token is visible: no mask.
         probs = torch.softmax(torch.bmm(qg, k.permute(1, 2, 0)) * scale, dim=-1)  # (Hkv, G, ctx)
         out[b] = torch.bmm(probs, v.transpose(0, 1)).view(hq, d).to(q.dtype)  # (Hkv, G, D) -> (Hq, D)

@@ -58,7 +58,18 @@ class Keys:
 
     @property
     def ledger(self) -> str:
+        """Hash job_id -> tokens reserved (kvfleet/ledger.py)."""
         return f"{self.prefix}:ledger"
+
+    @property
+    def ledger_leases(self) -> str:
+        """Sorted set job_id -> the reservation's lease deadline, unix seconds."""
+        return f"{self.prefix}:ledger:leases"
+
+    @property
+    def ledger_meta(self) -> str:
+        """Hash job_id -> "tenant priority", for per-tenant and per-class usage."""
+        return f"{self.prefix}:ledger:meta"
 
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"

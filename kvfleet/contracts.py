@@ -1,7 +1,8 @@
 """The wire contracts of kvfleet: every message that crosses a process boundary.
 
-One module, one schema version. Kafka carries JSON (readable with any Kafka tool),
-Celery and Redis carry JSON or msgpack of the same Structs. Nothing is ever pickled.
+One module, one schema version. Every message travels as JSON of these Structs: on
+Kafka (readable with any Kafka tool), in Celery tasks and in Redis. Nothing is ever
+pickled.
 
 Decoding is validation: `decode_request()` raises `msgspec.ValidationError` with a
 path-qualified message ("Expected `int`, got `str` - at `$.max_new_tokens`") that the
@@ -114,12 +115,17 @@ class JobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS_LIMIT)]
     submitted_at: float  # unix seconds
     deadline: Optional[float] = None  # unix seconds; None = no deadline
+    #: A text prompt. The API sends none: it tokenizes a text prompt once, with the served
+    #: model's tokenizer, and sends `prompt_tokens` instead, so neither the scheduler nor
+    #: the worker tokenizes again. A job produced straight to Kafka may carry text; the
+    #: scheduler then tokenizes it, once, before it reserves and sends it.
     prompt: Optional[str] = None
+    #: The prompt as the served model's token ids: what the job's cost and its run use.
     prompt_tokens: Optional[list[int]] = None
     sampling: Sampling = Sampling()
-    #: The prompt's length in tokens, counted by the API with the served model's tokenizer,
-    #: so the scheduler can reserve a job's KV tokens without tokenizing. Optional (an
-    #: additive v1 field): a job produced without it is tokenized by the scheduler.
+    #: Read, never written: producers before tokenized prompts sent the text prompt's
+    #: length here. It is ignored (the length is `len(prompt_tokens)` once tokenized),
+    #: and kept so that their v1 messages still decode.
     prompt_len: Optional[Annotated[int, msgspec.Meta(ge=0)]] = None
     v: int = SCHEMA_VERSION
 
@@ -128,6 +134,19 @@ class JobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise msgspec.ValidationError(f"unsupported schema version {self.v}; this build reads v{SCHEMA_VERSION}")
         if (self.prompt is None) == (self.prompt_tokens is None):
             raise msgspec.ValidationError("exactly one of `prompt` or `prompt_tokens` must be given")
+
+    @property
+    def cost(self) -> int:
+        """KV tokens the job can hold at its peak (see `token_cost`); needs `prompt_tokens`."""
+        if self.prompt_tokens is None:
+            raise ValueError(f"job {self.job_id!r} has a text prompt: tokenize it before costing it")
+        return token_cost(len(self.prompt_tokens), self.max_new_tokens)
+
+
+def token_cost(prompt_tokens: int, max_new_tokens: int) -> int:
+    """KV tokens a job can hold at its peak, its prompt and every token it may generate:
+    what the ledger reserves, the ceilings bound and the quota charges."""
+    return prompt_tokens + max_new_tokens
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -221,24 +240,14 @@ def new_job_id() -> str:
     return str(uuid.UUID(int=value))
 
 
-def job_token_cost(request: JobRequest, prompt_len: int) -> int:
-    """KV tokens a job can occupy at its peak: what the scheduler reserves."""
-    return prompt_len + request.max_new_tokens
-
-
 class WorkerHeartbeat(msgspec.Struct, frozen=True):
     """What each worker process publishes under `Keys.worker(id)` with a short TTL.
 
     The scheduler sums `capacity_tokens` over live heartbeats to know the fleet's KV
-    budget; a worker that stops heartbeating drops out when its key expires.
+    budget; a worker that stops heartbeating drops out when its key expires. (Fields
+    that older workers also sent are ignored when read.)
     """
 
     worker_id: str
-    model: str
-    fingerprint: str
     capacity_tokens: int  # KV tokens the worker's block pool holds
-    tokens_in_use: int
-    running: int
-    waiting: int
-    ts: float  # unix seconds when written
     v: int = SCHEMA_VERSION

@@ -8,8 +8,8 @@ Layout of `kvfleet:job:{job_id}` (a hash):
 Every write is a Lua script that checks the current state against the allowed
 transitions first, so a duplicate delivery (a second "admit", a second "finish") finds
 the job already moved and changes nothing. Two of them also move the job's token
-reservation in the ledger with the state: `admit_many` (the scheduler) reserves,
-`finish` (the worker, or a cancel) releases. Every state change is also PUBLISHed on the
+reservation with the state, with the ledger's own Lua (kvfleet/ledger.py): `admit_many`
+(the scheduler) reserves, `finish` (the worker, or a cancel) releases. Every state change is also PUBLISHed on the
 job's events channel, which is what wakes a long-polling `GET /v1/jobs/{id}?wait=`.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 import msgspec
 import redis
 
-from kvfleet import constants
+from kvfleet import constants, ledger
 from kvfleet.contracts import (
     ALLOWED_TRANSITIONS,
     JobError,
@@ -65,78 +65,19 @@ return {1, cur}
 """
 
 # The one call a worker makes when a job ends: result, final state and the release of
-# the job's token reservation, together or not at all.
-# KEYS: job, events, ledger hash, ledger lease zset, run lease
+# the job's token reservation (kvfleet/ledger.py), together or not at all.
+# KEYS: ledger, leases, meta, job, events, run lease
 # ARGV: to_state, result JSON, finished_at, ttl, allowed-from, job_id, lease token ('' = no check)
-_FINISH = """
-local cur = redis.call('HGET', KEYS[1], 'state')
+_FINISH = ledger.RELEASE + """
+local cur = redis.call('HGET', KEYS[4], 'state')
 if not cur then return {0, ''} end
 if not string.find(',' .. ARGV[5] .. ',', ',' .. cur .. ',', 1, true) then return {0, cur} end
-if ARGV[7] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[7] then return {0, 'lease_lost'} end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'result', ARGV[2], 'finished_at', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('HDEL', KEYS[3], ARGV[6])
-redis.call('ZREM', KEYS[4], ARGV[6])
-redis.call('PUBLISH', KEYS[2], ARGV[1])
+if ARGV[7] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[7] then return {0, 'lease_lost'} end
+redis.call('HSET', KEYS[4], 'state', ARGV[1], 'result', ARGV[2], 'finished_at', ARGV[3])
+redis.call('EXPIRE', KEYS[4], ARGV[4])
+release(KEYS[1], KEYS[2], KEYS[3], ARGV[6])
+redis.call('PUBLISH', KEYS[5], ARGV[1])
 return {1, cur}
-"""
-
-# The token-reservation rule, one definition for the ledger's single reserve
-# (scheduler/ledger.py) and the batched admission below. Layout: the ledger hash
-# (job -> tokens), its lease zset (job -> deadline) and meta hash (job -> "tenant class").
-# A job already reserved counts once and only has its lease extended (a redelivery);
-# otherwise it is reserved if the ledger's sum plus its tokens fits the capacity.
-# `used` is that sum, computed on first need and returned updated, so a batch sums once.
-# Returns 1 reserved | -1 full, and `used`.
-RESERVE_LUA = """
-local function ledger_sum(ledger)
-  local total = 0
-  for _, v in ipairs(redis.call('HVALS', ledger)) do total = total + tonumber(v) end
-  return total
-end
-local function reserve(ledger, leases, metas, id, tokens, meta, deadline, capacity, used)
-  if redis.call('HEXISTS', ledger, id) == 1 then
-    redis.call('ZADD', leases, 'GT', deadline, id)
-    return 1, used
-  end
-  if not used then used = ledger_sum(ledger) end
-  if used + tokens > capacity then return -1, used end
-  redis.call('HSET', ledger, id, tokens)
-  redis.call('ZADD', leases, deadline, id)
-  redis.call('HSET', metas, id, meta)
-  return 1, used + tokens
-end
-"""
-
-# Admission of a batch, in order: each job's token reservation and its move to
-# "admitted", together or not at all, so a job that is cancelled, running or finished
-# is never reserved (the mirror of _FINISH, which releases).
-# KEYS: ledger hash, ledger lease zset, ledger meta, then per job: job hash, events
-# ARGV: capacity, lease_s, admitted_at, admitted_by, then per job: job_id, tokens,
-#       meta ("tenant priority"), revive ('1': reserve it although running: its worker died)
-# Returns per job: state before the call ('' = no such job), 1 reserved | 0 not admissible | -1 full
-_ADMIT = RESERVE_LUA + """
-local t = redis.call('TIME')
-local deadline = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2])
-local capacity = tonumber(ARGV[1])
-local used = nil
-local out = {}
-for i = 1, (#KEYS - 3) / 2 do
-  local job, events = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
-  local id, tokens, meta, revive = ARGV[1 + 4 * i], tonumber(ARGV[2 + 4 * i]), ARGV[3 + 4 * i], ARGV[4 + 4 * i]
-  local cur = redis.call('HGET', job, 'state')
-  local code = 0
-  if cur == 'queued' or cur == 'admitted' or (cur == 'running' and revive == '1') then
-    code, used = reserve(KEYS[1], KEYS[2], KEYS[3], id, tokens, meta, deadline, capacity, used)
-    if code == 1 and cur == 'queued' then
-      redis.call('HSET', job, 'state', 'admitted', 'admitted_at', ARGV[3], 'admitted_by', ARGV[4])
-      redis.call('PUBLISH', events, 'admitted')
-    end
-  end
-  table.insert(out, cur or '')
-  table.insert(out, code)
-end
-return out
 """
 
 _TIMING_FIELDS = ("queued_at", "admitted_at", "started_at", "finished_at")
@@ -191,9 +132,8 @@ class JobStore:
         self._create = client.register_script(_CREATE)
         self._transition = client.register_script(_TRANSITION)
         self._finish = client.register_script(_FINISH)
-        self._admit = client.register_script(_ADMIT)
-        ledger = keys.ledger
-        self._ledger_keys = [ledger, ledger + ":leases", ledger + ":meta"]
+        self._admit = client.register_script(ledger.ADMIT)
+        self._ledger_keys = ledger.ledger_keys(keys)
 
     def create(self, request: JobRequest) -> tuple[bool, JobState, str]:
         """Record a new job as queued. If the id exists, change nothing and return
@@ -225,7 +165,7 @@ class JobStore:
         if only_from is not None:
             sources = ",".join(s for s in sources.split(",") if JobState(s) in only_from)
         ok, previous = self._finish(
-            keys=[self.keys.job(job_id), self.keys.job_events(job_id), *self._ledger_keys[:2],
+            keys=[*self._ledger_keys, self.keys.job(job_id), self.keys.job_events(job_id),
                   self.keys.run_lease(job_id)],
             args=[result.status.value, encode(result), repr(result.timings.finished_at or 0.0),
                   constants.RESULT_TTL_S, sources, job_id, lease_token],

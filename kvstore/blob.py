@@ -40,10 +40,8 @@ from typing import Sequence, Union
 
 import torch
 
+from kernels.ops import Kernels
 from kvstore.errors import BlobError
-
-# Triton on CUDA tensors, the torch reference on CPU ones (kernels.ops decides).
-from kernels.ops import dequantize_int8, quantize_int8
 
 # Blobs read from Redis are immutable `bytes`; torch.frombuffer warns that it cannot
 # make them writable. We only ever read through these views (copy_ out of them).
@@ -112,11 +110,12 @@ class KVLayout:
 class KVBlob:
     """A validated blob: views into its buffer, turned into a tensor only when asked."""
 
-    def __init__(self, layout: KVLayout, quant: Quant, buf: Buffer, expires_at: float) -> None:
+    def __init__(self, layout: KVLayout, quant: Quant, buf: Buffer, expires_at: float, kernels: Kernels) -> None:
         self.layout = layout
         self.quant = quant
         self.buf = buf
         self.expires_at = expires_at
+        self._kernels = kernels
 
     @property
     def nbytes(self) -> int:
@@ -134,16 +133,19 @@ class KVBlob:
         # Dequantize where the pool lives: a GPU pool receives half the bytes over PCIe.
         q = q.view(lay.shape).to(device)  # (L, 2, BS, Hkv, D) int8
         scale = scale.view(lay.shape[:-1]).to(device)  # (L, 2, BS, Hkv) float32
-        return dequantize_int8(q, scale, lay.dtype)
+        return self._kernels.dequantize_int8(q, scale, lay.dtype)
 
 
 class BlobCodec:
     """Writes and validates the blobs of one model and one pool layout."""
 
-    def __init__(self, layout: KVLayout, model_fingerprint: str, *, quant: Quant = Quant.NONE) -> None:
+    def __init__(self, layout: KVLayout, model_fingerprint: str, *, kernels: Kernels, quant: Quant = Quant.NONE) -> None:
+        """`kernels`: the INT8 quantize (on write) and dequantize (on read, whatever `quant`:
+        another writer may have quantized)."""
         self.layout = layout
         self.model_fingerprint = model_fingerprint
         self.quant = quant
+        self.kernels = kernels
         self._model_digest = digest(model_fingerprint)
 
     # --- write ----------------------------------------------------------------------
@@ -166,7 +168,7 @@ class BlobCodec:
         """
         lay = self.layout
         if self.quant is Quant.INT8:
-            q, scale = quantize_int8(self.payload(buf))  # (L, 2, BS, Hkv, D) int8, (L, 2, BS, Hkv) float32
+            q, scale = self.kernels.quantize_int8(self.payload(buf))  # (L, 2, BS, Hkv, D) int8, (L, 2, BS, Hkv) float32
             rows = lay.numel // lay.head_dim
             buf = bytearray(HEADER.size + lay.payload_nbytes(Quant.INT8))
             torch.frombuffer(buf, dtype=torch.int8, count=lay.numel, offset=HEADER.size).copy_(q.reshape(-1))
@@ -210,4 +212,4 @@ class BlobCodec:
         view = memoryview(raw)
         if zlib.crc32(view[HEADER.size:], zlib.crc32(view[:_CHECKED])) != crc:
             raise BlobError("checksum", "crc32 mismatch")
-        return KVBlob(lay, quant, raw, expires_at)
+        return KVBlob(lay, quant, raw, expires_at, self.kernels)

@@ -3,11 +3,11 @@
     evict  (engine thread)  spill(hash, block_id): copy the block out of the pool into
                             a wire buffer, queue it; a writer thread seals (quantize,
                             header, crc32) and writes batches in pipelines
-    admit  (engine thread)  load(hashes, allocate): one MGET for the missing prefix,
+    admit  (engine thread)  load(hashes, block_ids): one MGET for the missing prefix,
                             the longest run of valid consecutive hits copied into
-                            freshly allocated blocks
+                            the blocks the engine allocated for them
     fleet  (task thread)    ensure_prefix(hashes, prefill): when several workers miss
-                            the same prefix, one prefills it and stores it, the
+                            the same prefix, one prefills it and writes it, the
                             others wait and then load it
 
 Keys are `Keys.kv_block(model_fingerprint, block_hash)`: a block hash chains all the
@@ -33,6 +33,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kernels.ops import Kernels
 from kvfleet.constants import Keys
 from kvstore import metrics
 from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, BlobCodec, KVBlob, KVLayout, Quant
@@ -92,11 +93,12 @@ class ColdTier:
         model_fingerprint: str,
         kv_caches: KVCaches,
         *,
-        quant: Quant = Quant.NONE,
-        ttl_s: float = 3600.0,
-        grace_s: float = 600.0,
+        kernels: Kernels,
+        quant: Quant,
+        ttl_s: float,
+        grace_s: float,
+        spill_max_bytes: int,
         jitter: float = DEFAULT_JITTER,
-        spill_max_bytes: int = 256 << 20,
         spill_batch: int = 8,
         lock_client: Optional[redis.Redis] = None,
         lock_ttl_s: float = 10.0,
@@ -106,10 +108,10 @@ class ColdTier:
     ) -> None:
         """`client` is the cache instance, from connect(). `kv_caches` is the
         engine's pool, one (k_cache, v_cache) pair per layer; blocks are copied out of
-        and into it by block id.
+        and into it by block id. `kernels`: the engine's (INT8 quantize and dequantize).
 
-        ttl_s, grace_s: logical lifetime of a block and how much longer Redis keeps it.
-        spill_max_bytes: the spill queue's memory bound (256 MiB = 128 blocks of 2 MiB).
+        quant, ttl_s, grace_s, spill_max_bytes: kvfleet.settings.ColdTierSettings, where
+        their defaults and reasons are.
         lock_* / wait_timeout_s / poll_s / use_lock: the prefix build, see SingleFlight;
             wait_timeout_s should exceed the longest prefill of a shared prefix.
         """
@@ -118,7 +120,7 @@ class ColdTier:
         self.model_fingerprint = model_fingerprint
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
-        self.codec = BlobCodec(self.layout, model_fingerprint, quant=quant)
+        self.codec = BlobCodec(self.layout, model_fingerprint, quant=quant, kernels=kernels)
         self.ttl_s = ttl_s
         self.grace_s = grace_s
         self.jitter = jitter
@@ -157,18 +159,15 @@ class ColdTier:
             return False
         return True
 
-    def store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
-        """Write blocks now, in this thread, in one pipeline: for a prefill whose waiters
-        will load the blocks the moment it returns (see ensure_prefix)."""
-        self.write(self.copy_out(block_hashes, block_ids))
-
     def copy_out(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> list[tuple[str, bytearray]]:
         """The blocks' bytes, copied out of the pool. Must run where the pool is still
         (the engine's step thread); `write` them from any thread afterwards."""
         return [(hash_id(h), self._copy_out(b)) for h, b in zip(block_hashes, block_ids)]
 
     def write(self, items: list[tuple[str, bytearray]]) -> None:
-        """Write copied-out blocks in one pipeline; raises if Redis fails."""
+        """Write copied-out blocks now, in this thread, in one pipeline; raises if Redis
+        fails. For a prefill whose waiters load the blocks the moment it returns (see
+        ensure_prefix)."""
         self._write_batch(items, raise_errors=True)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -197,7 +196,7 @@ class ColdTier:
         return self.keys.kv_block(self.model_fingerprint, block), blob, physical_ttl_ms(logical_s, self.grace_s)
 
     def _write_batch(self, items: list[tuple[str, bytearray]], *, raise_errors: bool = False) -> None:
-        """Seal and SET a batch (the spill thread, or store()).
+        """Seal and SET a batch (the spill thread, or write()).
 
         Blobs are sealed on the sealer thread while this one sends those already sealed:
         block i+1's crc32 (or quantization) overlaps block i's socket write, and both
@@ -265,16 +264,18 @@ class ColdTier:
                 k_cache[block_id].copy_(kv[layer, 0])
                 v_cache[block_id].copy_(kv[layer, 1])
 
-    def load(self, block_hashes: Sequence[BlockHash], allocate: Callable[[int], Sequence[int]]) -> int:
+    def load(self, block_hashes: Sequence[BlockHash], block_ids: Callable[[int], Sequence[int]]) -> int:
         """Fill the leading blocks of a prefix from the cold tier; how many were filled.
 
-        `allocate(n)` is called once, with the number of hits, and returns n fresh block
-        ids to copy into, so the engine allocates only what it will use.
+        `block_ids(n)` is called once, when there are n > 0 hits, and returns the pool
+        blocks to copy them into. In the engine these exist already: it allocates a block
+        for every missing one before its admission hook asks (kvstore/hooks.py passes
+        the first n of them), and recomputes those this call leaves unfilled.
         """
         started = time.perf_counter()
         blobs = self.fetch(block_hashes)
         if blobs:
-            self.copy_in(blobs, allocate(len(blobs)))
+            self.copy_in(blobs, block_ids(len(blobs)))
         metrics.KV_LOAD_SECONDS.observe(time.perf_counter() - started)
         return len(blobs)
 
@@ -303,7 +304,7 @@ class ColdTier:
     def ensure_prefix(self, block_hashes: Sequence[BlockHash], prefill: Callable[[], None]) -> PrefixSource:
         """Make sure a prefix's blocks are in the cold tier, prefilling it at most once fleet-wide.
 
-        `prefill()` must compute the blocks and `store()` them before it returns. COLD:
+        `prefill()` must compute the blocks and `write()` them before it returns. COLD:
         the blocks are in Redis, `load()` them (a load that still comes up short, e.g.
         after an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
         """

@@ -5,7 +5,8 @@
     hooks = ColdTierHooks()
     engine = Engine(..., hooks=hooks)  # the engine takes its hooks first, and owns the pool after
     hooks.tier = ColdTier(connect(settings.redis.cache_url), settings.redis.keys,
-                          engine.block_manager.fingerprint, engine.kv_cache)
+                          engine.block_manager.fingerprint, engine.kv_cache,
+                          kernels=engine.kernels, ...)  # the rest: settings.cold_tier (workers/service.py)
     ...
     hooks.tier.close()                 # at shutdown: drains the spill queue
 

@@ -49,15 +49,10 @@ class Lease:
         self._renew = client.register_script(_RENEW)
         self._stop = threading.Event()
         self._renewer: Optional[threading.Thread] = None
-        #: Set when a renewal found the lease gone: the holder should stop writing.
-        self.lost = threading.Event()
 
     def acquire(self) -> bool:
         """One attempt; True if we now hold the lease."""
-        won = bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
-        if won:
-            self.lost.clear()  # a Lease object may be re-acquired after losing it once
-        return won
+        return bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
 
     def renew(self) -> bool:
         return bool(self._renew(keys=[self.key], args=[self.token, self.ttl_ms]))
@@ -70,17 +65,12 @@ class Lease:
         self._renewer = None
         return bool(self._release(keys=[self.key], args=[self.token]))
 
-    def held(self) -> bool:
-        value = self.client.get(self.key)
-        # A client built with decode_responses=True answers str, otherwise bytes.
-        return value is not None and (value if isinstance(value, str) else value.decode()) == self.token
-
-    def holder_exists(self) -> bool:
-        """Someone (maybe us) holds the lease now."""
-        return bool(self.client.exists(self.key))
-
     def keep_alive(self) -> None:
-        """Renew every third of the TTL from a daemon thread until `release()`.
+        """Renew every third of the TTL from a daemon thread until `release()`, or until
+        a renewal finds the lease gone (expired or taken over): renewing then would only
+        fail again. Nothing here tells the holder; a holder whose writes must not outlive
+        its lease checks ownership where it writes (the job store compares the run
+        lease's token).
 
         A third leaves two renewal chances before expiry if Redis is briefly slow.
         """
@@ -90,8 +80,7 @@ class Lease:
             while not self._stop.wait(interval):
                 try:
                     if not self.renew():
-                        self.lost.set()
-                        return
+                        return  # lost: see the docstring
                 except redis.RedisError:
                     continue  # transient; the next tick retries before the TTL runs out
 

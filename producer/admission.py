@@ -17,32 +17,13 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from kvfleet.ceiling import over_ceiling
 from kvfleet.contracts import JobRequest, Priority
-from kvfleet.settings import ApiSettings
+from kvfleet.quota import Quotas
+from kvfleet.settings import ApiSettings, PolicyConfig
+from kvfleet.tenancy import Tenant, Tier
+from producer.errors import MAX_RETRY_S, Refused
 from producer.pressure import Pressure
-from kvfleet.settings import PolicyConfig
-from scheduler.policy import PendingJob, ceiling_verdict
-from scheduler.quota import Quotas
-from scheduler.tenants import Tenant, Tier
-
-#: Retry-After bounds, seconds: at least 1 (it is an integer), at most a minute (the
-#: estimate is rough, and a client told to wait longer may as well poll again).
-MIN_RETRY_S, MAX_RETRY_S = 1, 60
-
-
-class Refused(Exception):
-    def __init__(self, status: int, message: str, retry_after_s: Optional[float] = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-    @property
-    def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(min(MAX_RETRY_S, max(MIN_RETRY_S, math.ceil(self.retry_after_s))))}
-
 
 class Gate:
     def __init__(self, api: ApiSettings, policy: PolicyConfig, pressure: Pressure, quotas: Optional[Quotas]) -> None:
@@ -52,21 +33,22 @@ class Gate:
         self.pressure = pressure
         self.quotas = quotas
 
-    def check(self, tenant: Tenant, job: JobRequest, prompt_len: int) -> None:
-        """Raise `Refused` if the job must not be queued; otherwise charge its quota."""
-        pending = PendingJob.from_request(job, prompt_tokens=prompt_len, tier=tenant.tier, partition=0)
-        verdict = ceiling_verdict(pending, self.policy)
-        if verdict is not None:
-            raise Refused(422, verdict.message)
+    def check(self, tenant: Tenant, job: JobRequest) -> None:
+        """Raise `Refused` if the (tokenized) job must not be queued; otherwise charge its quota."""
+        assert job.prompt_tokens is not None, "the API tokenizes every job"
+        too_many = over_ceiling(job.priority, len(job.prompt_tokens), job.max_new_tokens, self.policy)
+        if too_many is not None:
+            raise Refused(too_many, status=422)
         self._check_load(tenant, job.priority)
         if self.quotas is not None:
-            take = self.quotas.try_take(tenant.name, pending.cost)
+            take = self.quotas.try_take(tenant, job.cost)
             if math.isinf(take.retry_after_s):
-                raise Refused(413, f"the job needs {pending.cost} tokens but tenant {tenant.name!r} may submit at "
-                                   f"most {tenant.bucket_tokens} at once; split it or lower max_new_tokens")
+                raise Refused(f"the job needs {job.cost} tokens but tenant {tenant.name!r} may submit at most "
+                              f"{tenant.bucket_tokens} at once; split it or lower max_new_tokens", status=413)
             if not take.allowed:
-                raise Refused(429, f"tenant {tenant.name!r} is over its quota of {tenant.tokens_per_minute} tokens "
-                                   f"a minute; retry after {math.ceil(take.retry_after_s)} s", take.retry_after_s)
+                raise Refused(f"tenant {tenant.name!r} is over its quota of {tenant.tokens_per_minute} tokens a "
+                              f"minute; retry after {math.ceil(take.retry_after_s)} s",
+                              status=429, retry_after_s=take.retry_after_s)
 
     def _check_load(self, tenant: Tenant, priority: Priority) -> None:
         reading = self.pressure.current()
@@ -76,10 +58,11 @@ class Gate:
         if backlog > bound:
             drain = reading.drain_per_s.get(priority, 0.0)
             retry = (backlog - bound) / drain if drain > 0 else MAX_RETRY_S
-            raise Refused(429, f"{backlog} {priority.value} jobs are waiting (bound {bound}); retry later", retry)
+            raise Refused(f"{backlog} {priority.value} jobs are waiting (bound {bound}); retry later",
+                          status=429, retry_after_s=retry)
         waiting = sum(reading.backlog.values())
         if (tenant.tier is Tier.BRONZE and reading.utilization >= self.api.overload_utilization
                 and waiting >= self.api.overload_backlog):
-            raise Refused(503, f"the fleet is overloaded ({reading.utilization:.0%} of its tokens in use, {waiting} "
-                               "jobs waiting); bronze jobs are not accepted now, retry later",
-                          self.policy.bronze_shed_after_s)
+            raise Refused(f"the fleet is overloaded ({reading.utilization:.0%} of its tokens in use, {waiting} "
+                          "jobs waiting); bronze jobs are not accepted now, retry later",
+                          status=503, retry_after_s=self.policy.bronze_shed_after_s)

@@ -1,7 +1,7 @@
 """Who is asking: an API key maps to exactly one tenant.
 
 Keys come from `KVFLEET_TENANTS` (each tenant's `api_keys`) and `KVFLEET_API_KEYS`
-(`key:tenant`), joined by `scheduler.config.Tenancy`. With any key configured, every
+(`key:tenant`), joined by `kvfleet.tenancy.Tenancy`. With any key configured, every
 request must carry one (`Authorization: Bearer <key>` or `X-API-Key`), and
 `X-Tenant-ID`, if sent, must name the key's own tenant. Without keys, `X-Tenant-ID`
 names the tenant; it must be a configured one when tenants are configured (any name
@@ -13,15 +13,8 @@ from __future__ import annotations
 import hmac
 from typing import Mapping, Optional
 
-from scheduler.config import Tenancy
-from scheduler.tenants import Tenant
-
-
-class AuthError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+from kvfleet.tenancy import Tenancy, Tenant
+from producer.errors import Forbidden, Unauthorized
 
 
 def resolve_tenant(tenancy: Tenancy, headers: Mapping[str, str], body_tenant: Optional[str] = None, *,
@@ -30,17 +23,17 @@ def resolve_tenant(tenancy: Tenancy, headers: Mapping[str, str], body_tenant: Op
     if tenancy.keys:
         key = headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
         if not key:
-            raise AuthError(401, "missing API key: send `Authorization: Bearer <key>` or `X-API-Key: <key>`")
+            raise Unauthorized("missing API key: send `Authorization: Bearer <key>` or `X-API-Key: <key>`")
         name = _lookup(tenancy.keys, key)
         if name is None:
-            raise AuthError(401, "unknown API key")
+            raise Unauthorized("unknown API key")
         if claimed and claimed != name:
-            raise AuthError(403, f"this API key belongs to another tenant than {claimed!r}")
+            raise Forbidden(f"this API key belongs to another tenant than {claimed!r}")
     else:
         name = claimed or default_tenant
     tenant = tenancy.get(name)
     if tenant is None:
-        raise AuthError(403, f"unknown tenant {name!r}: send the X-Tenant-ID of a configured tenant")
+        raise Forbidden(f"unknown tenant {name!r}: send the X-Tenant-ID of a configured tenant")
     return tenant
 
 

@@ -24,10 +24,10 @@ from kafka import KafkaAdminClient, TopicPartition
 from kafka.admin import OffsetSpec
 from kafka.errors import KafkaError
 
+from kvfleet.capacity import FleetCapacity
 from kvfleet.contracts import Priority
+from kvfleet.ledger import Ledger
 from kvfleet.settings import KafkaSettings
-from scheduler.capacity import FleetCapacity
-from scheduler.ledger import Ledger
 
 log = logging.getLogger("kvfleet.api")
 

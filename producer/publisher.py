@@ -19,12 +19,9 @@ from kvfleet.jobstore import JobStore
 from kvfleet.kafka import make_producer
 from kvfleet.logs import now
 from kvfleet.settings import KafkaSettings
+from producer.errors import QueueUnavailable
 
 log = logging.getLogger(__name__)
-
-
-class EnqueueError(RuntimeError):
-    """Kafka did not take the job; it has been marked failed."""
 
 
 class Publisher:
@@ -57,7 +54,8 @@ class Publisher:
             self.store.fail(request.job_id, JobState.FAILED, "enqueue_failed",
                             f"Kafka did not accept the job ({type(exc).__name__}: {exc}); submit it again", now=now())
             log.error("produce failed", extra={"job_id": request.job_id, "error": str(exc)})
-            raise EnqueueError(str(exc)) from exc
+            raise QueueUnavailable(f"the queue is unavailable ({exc}); nothing will run, retry later",
+                                   job_id=request.job_id) from exc
         log.info("queued", extra={"job_id": request.job_id, "topic": topic, "partition": meta.partition,
                                   "offset": meta.offset, "tenant": request.tenant})
 

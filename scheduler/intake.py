@@ -1,5 +1,5 @@
 """From a Kafka record to a valid `JobRequest`, or to the dead-letter topic with a reason;
-and from a request to the tokens its prompt takes.
+and a text prompt to its tokens, for jobs produced without the API.
 
 A message that cannot be decoded, has the wrong schema version, or sits on a topic of
 another priority than it claims is not retried (it would fail the same way forever):
@@ -16,6 +16,7 @@ import msgspec
 from kafka.consumer.fetcher import ConsumerRecord
 
 from kvfleet.contracts import JobRequest, Priority, decode_request
+from kvfleet.modelinfo import load_model_info
 
 log = logging.getLogger("kvfleet.scheduler")
 
@@ -44,27 +45,23 @@ def decode_record(record: ConsumerRecord, topic_priority: Priority) -> JobReques
     return job
 
 
-class PromptLength:
-    """A prompt's length in tokens: the API's count (`prompt_len`), else the number of
-    token ids, else the text tokenized with the served model's tokenizer. The tokenizer
-    is loaded on first need, as it imports the model code: jobs from the API never
-    need it."""
+class Tokenize:
+    """A job with its prompt as token ids. The API sends every job tokenized; a job
+    produced straight to Kafka with a text prompt is tokenized here, once, with the
+    served model's tokenizer, and travels on tokenized, so the worker does not tokenize
+    it again. The tokenizer is loaded on first need: jobs from the API never need it."""
 
     def __init__(self, model_source: str) -> None:
         self.model_source = model_source
         self._encode: Optional[Callable[[str], list[int]]] = None
 
-    def __call__(self, job: JobRequest) -> int:
-        if job.prompt_len is not None:
-            return job.prompt_len
+    def __call__(self, job: JobRequest) -> JobRequest:
         if job.prompt_tokens is not None:
-            return len(job.prompt_tokens)
+            return job
         if self._encode is None:
-            from workers.model.loader import load_tokenizer_and_config
-
-            self._encode = load_tokenizer_and_config(self.model_source)[0].encode
-            log.info("loaded the tokenizer for jobs produced without prompt_len", extra={"model": self.model_source})
-        return len(self._encode(job.prompt or ""))
+            self._encode = load_model_info(self.model_source).encode
+            log.info("loaded the tokenizer for jobs produced with a text prompt", extra={"model": self.model_source})
+        return msgspec.structs.replace(job, prompt=None, prompt_tokens=self._encode(job.prompt or ""), prompt_len=None)
 
 
 def dlq_headers(record: ConsumerRecord, rejected: Rejected, job_id: Optional[str]) -> list[tuple[str, bytes]]:

@@ -2,11 +2,12 @@
 
 Pure: no I/O and no clock. The service feeds it the jobs it polled (`add`) and calls
 `schedule(now, budget)` with the ledger's view of the budget after every poll; the
-simulator drives the same object with a virtual clock.
+benchmark's simulator (bench/sim/) drives the same object with a virtual clock.
 
 What one `schedule()` call does, in order:
 1. Ceilings. A job over its class's token ceiling (high 2×base, normal base, low
-   base/4) can never run; `add()` already set it aside and it is returned as rejected.
+   base/4; kvfleet/ceiling.py, the API's check too) can never run; `add()` already set
+   it aside and it is returned as rejected.
 2. Deadlines. A job whose deadline has passed is expired.
 3. Order. Every buffered job gets a level:
      0: waited past its class's `max_wait_s`: goes first (the hard aging bound),
@@ -39,9 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from kvfleet.contracts import JobRequest, Priority
+from kvfleet.ceiling import over_ceiling
+from kvfleet.contracts import JobRequest, Priority, token_cost
 from kvfleet.settings import PolicyConfig
-from scheduler.tenants import Tenant, Tier
+from kvfleet.tenancy import Tenant, Tier
+
 
 @dataclass(frozen=True)
 class PendingJob:
@@ -58,13 +61,15 @@ class PendingJob:
     @property
     def cost(self) -> int:
         """KV tokens the job can hold at its peak: what the ledger reserves."""
-        return self.prompt_tokens + self.max_new_tokens
+        return token_cost(self.prompt_tokens, self.max_new_tokens)
 
     @classmethod
-    def from_request(cls, request: JobRequest, *, prompt_tokens: int, tier: Tier, partition: int) -> "PendingJob":
-        """`prompt_tokens` is the prompt's length in tokens (the text prompt tokenized)."""
-        return cls(request.job_id, request.tenant, tier, request.priority, prompt_tokens, request.max_new_tokens,
-                   request.submitted_at, request.deadline, partition)
+    def from_request(cls, request: JobRequest, *, tier: Tier, partition: int) -> "PendingJob":
+        """From a tokenized request (its `prompt_tokens` set)."""
+        if request.prompt_tokens is None:
+            raise ValueError(f"job {request.job_id!r} has a text prompt: tokenize it first")
+        return cls(request.job_id, request.tenant, tier, request.priority, len(request.prompt_tokens),
+                   request.max_new_tokens, request.submitted_at, request.deadline, partition)
 
 
 @dataclass(frozen=True)
@@ -102,18 +107,6 @@ class Decision:
     holding: Optional[PendingJob] = None
 
 
-def ceiling_verdict(job: PendingJob, config: PolicyConfig) -> Optional[Verdict]:
-    """A rejection if the job is over its class's ceiling (the API may call this too)."""
-    limit = config.ceiling(job.priority)
-    if job.cost <= limit:
-        return None
-    others = ", ".join(f"{p.value} {config.ceiling(p)}" for p in Priority if p is not job.priority)
-    return Verdict(job, "too_many_tokens", (
-        f"job needs {job.cost} tokens (prompt {job.prompt_tokens} + max_new_tokens {job.max_new_tokens}) "
-        f"but the {job.priority.value} ceiling is {limit}; lower max_new_tokens or shorten the prompt "
-        f"(other ceilings: {others})"))
-
-
 class Room:
     """The budget during one `schedule()` call: a shared pool plus, per gold tenant,
     the unused part of its reserve, which only that tenant may take."""
@@ -139,7 +132,7 @@ class Room:
 
 
 class Policy:
-    """kvfleet's admission policy. Subclasses (`scheduler.baselines`) replace `_admit`
+    """kvfleet's admission policy. Subclasses (the benchmark's baselines) replace `_admit`
     and `_shed`; buffering, ceilings, deadlines and backpressure are shared."""
 
     name = "kvfleet"
@@ -155,9 +148,9 @@ class Policy:
 
     def add(self, job: PendingJob) -> None:
         """Buffer a polled job (a job over its ceiling is set aside as rejected)."""
-        verdict = ceiling_verdict(job, self.config)
-        if verdict is not None:
-            self._rejected.append(verdict)
+        too_many = over_ceiling(job.priority, job.prompt_tokens, job.max_new_tokens, self.config)
+        if too_many is not None:
+            self._rejected.append(Verdict(job, "too_many_tokens", too_many))
         else:
             self._buffer[job.priority].append(job)
 

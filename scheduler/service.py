@@ -41,19 +41,19 @@ from kafka.errors import CommitFailedError, KafkaError
 from prometheus_client import start_http_server
 
 from kvfleet import logs
-from kvfleet.contracts import JobRequest, JobState, Priority, job_token_cost
+from kvfleet.capacity import FleetCapacity
+from kvfleet.celery_app import make_celery
+from kvfleet.contracts import JobRequest, JobState, Priority
 from kvfleet.jobstore import JobStore
 from kvfleet.kafka import ensure_topics, make_consumer, make_producer
+from kvfleet.ledger import Ledger
 from kvfleet.settings import Settings
+from kvfleet.tenancy import Tenancy
 from scheduler import metrics as m
-from scheduler.capacity import FleetCapacity
-from scheduler.config import Tenancy
 from scheduler.dispatch import Dispatcher, Ticket
-from scheduler.intake import PromptLength, Rejected, decode_record, dlq_headers, job_id_hint
-from scheduler.ledger import Ledger
+from scheduler.intake import Rejected, Tokenize, decode_record, dlq_headers, job_id_hint
 from scheduler.offsets import OffsetBook, Revocations
 from scheduler.policy import Budget, Decision, PendingJob, Policy, Verdict
-from workers.celery_app import make_celery
 
 log = logging.getLogger("kvfleet.scheduler")
 
@@ -84,7 +84,7 @@ class Waiting:
 class SchedulerService:
     def __init__(self, settings: Settings, consumer: KafkaConsumer, dlq_producer: KafkaProducer,
                  dispatcher: Dispatcher, ledger: Ledger, capacity: FleetCapacity, tenancy: Tenancy,
-                 prompt_len: Callable[[JobRequest], int]) -> None:
+                 tokenize: Callable[[JobRequest], JobRequest]) -> None:
         self.settings = settings
         self.consumer = consumer
         self.dlq = dlq_producer
@@ -93,7 +93,7 @@ class SchedulerService:
         self.ledger = ledger
         self.capacity = capacity
         self.tenancy = tenancy
-        self.prompt_len = prompt_len
+        self.tokenize = tokenize
         self.policy = Policy(settings.policy, tenancy.tenants)
         self.stopping = threading.Event()
         self.waiting: dict[str, Waiting] = {}  # buffered in the policy, by job id
@@ -235,7 +235,8 @@ class SchedulerService:
 
     def triage(self, tp: TopicPartition, offset: int, job: JobRequest, state: Optional[JobState]) -> None:
         """Buffer the job in the policy, queue it to send again, or decide it now."""
-        if state is None:  # produced without the API (any Kafka client may): record it
+        if state is None:  # produced without the API (any Kafka client may): record it, tokenized
+            job = self.tokenize(job)
             _, state, _ = self.store.create(job)
         tenant = self.tenancy.get(job.tenant)
         if job.job_id in self.waiting or job.job_id in self.resend or state.terminal or state is JobState.RUNNING:
@@ -249,12 +250,13 @@ class SchedulerService:
             self.count(job, "rejected", "unknown_tenant")
         elif state is JobState.ADMITTED:
             # Admitted before a crash or rebalance; its task may never have been sent.
-            self.resend[job.job_id] = Ticket(job, job_token_cost(job, self.prompt_len(job)))
+            job = self.tokenize(job)
+            self.resend[job.job_id] = Ticket(job, job.cost)
             self.offsets.decided(tp, offset)  # durably admitted; a lost resend is reclaimed
         else:
-            prompt = self.prompt_len(job)
-            pending = PendingJob.from_request(job, prompt_tokens=prompt, tier=tenant.tier, partition=tp.partition)
-            self.waiting[job.job_id] = Waiting(pending, Ticket(job, job_token_cost(job, prompt)), tp, offset)
+            job = self.tokenize(job)
+            pending = PendingJob.from_request(job, tier=tenant.tier, partition=tp.partition)
+            self.waiting[job.job_id] = Waiting(pending, Ticket(job, job.cost), tp, offset)
             self.policy.add(pending)
 
     def reclaim(self) -> None:
@@ -264,7 +266,8 @@ class SchedulerService:
         for job_id in self.ledger.reclaim_expired():  # each id goes to exactly one replica
             request = self.store.request(job_id)
             if request is not None:
-                self.resend[job_id] = Ticket(request, job_token_cost(request, self.prompt_len(request)), revive=True)
+                request = self.tokenize(request)
+                self.resend[job_id] = Ticket(request, request.cost, revive=True)
                 log.warning("reservation lease expired; sending the job again", extra={"job_id": job_id})
 
     def budget(self) -> Budget:
@@ -405,8 +408,7 @@ def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: 
     consumer = make_consumer(settings.kafka, client_id=client_id, max_poll_records=s.max_poll_records)
     return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"),
                             dispatcher, Ledger(client, keys), capacity,
-                            tenancy or Tenancy.from_env(os.environ, settings.api.api_keys),
-                            PromptLength(settings.model.source))
+                            tenancy or Tenancy.from_settings(settings), Tokenize(settings.model.source))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

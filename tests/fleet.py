@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import httpx
+import msgspec
 import redis
 
 from kvfleet import registry
 from kvfleet.constants import Keys
-from kvfleet.contracts import WorkerHeartbeat
+from kvfleet.contracts import JobState, WorkerHeartbeat
+from kvfleet.jobstore import JobStore
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -120,9 +122,24 @@ class Fleet:
     def fake_capacity(self, tokens: int, *, name: str = "fake", ttl_s: float = 600.0) -> None:
         """Publish a worker heartbeat without a worker: the scheduler sees `tokens` of
         budget, and admitted jobs wait in the Celery queue until a test releases them."""
-        beat = WorkerHeartbeat(worker_id=name, model="builtin:tiny", fingerprint="fake", capacity_tokens=tokens,
-                               tokens_in_use=0, running=0, waiting=0, ts=time.time())
+        beat = WorkerHeartbeat(worker_id=name, capacity_tokens=tokens)
         registry.publish(self.redis, self.keys, beat, ttl_ms=int(ttl_s * 1000))
+
+    def finish(self, job_id: str) -> None:
+        """Play the worker for an admitted job: start it and finish it `done`, which
+        releases its tokens (the production path, `JobStore.start` and `finish`)."""
+        store = JobStore(self.redis, self.keys)
+        now = time.time()
+        assert store.start(job_id, now=now, worker="test").ok, f"{job_id} could not start"
+        current = store.get(job_id)
+        done = msgspec.structs.replace(current, status=JobState.DONE,
+                                       timings=msgspec.structs.replace(current.timings, finished_at=now))
+        assert store.finish(done).ok, f"{job_id} could not finish"
+
+    def reserved(self, job_id: str) -> Optional[int]:
+        """Tokens the ledger holds for the job; None when it holds none."""
+        raw = self.redis.hget(self.keys.ledger, job_id)
+        return int(raw) if raw is not None else None
 
     def metrics(self, port: int) -> dict[str, float]:
         """A service's Prometheus samples: {'name{label="v",...}': value}."""

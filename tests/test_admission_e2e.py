@@ -167,7 +167,7 @@ def test_cancel_a_queued_job_and_a_running_one(make_fleet):
     # Counted "cancelled", not "done": the engine stopped it mid-run rather than finishing it.
     outcome = 'kvfleet_worker_tasks_total{outcome="cancelled"}'
     fleet.wait_for(lambda: fleet.metrics(port).get(outcome) == 1, "the engine stopped the job", timeout=60)
-    ledger_keys = [fleet.keys.ledger, fleet.keys.ledger + ":leases"]
+    ledger_keys = [fleet.keys.ledger, fleet.keys.ledger_leases, fleet.keys.ledger_meta]
     assert not any(fleet.redis.exists(k) for k in ledger_keys)  # every token released
 
     after = fleet.submit(max_new_tokens=4)  # read after `queued`: the scheduler has seen it

@@ -6,26 +6,29 @@ import time
 
 
 from kvfleet import registry
+from kvfleet.capacity import FleetCapacity
 from kvfleet.constants import Keys
 from kvfleet.contracts import WorkerHeartbeat
-from scheduler.capacity import FleetCapacity
 
 
 def publish_heartbeat(client, keys: Keys, worker_id: str, capacity: int, *, ttl_s: float = 10.0) -> None:
     """What workers/heartbeat.py writes."""
-    beat = WorkerHeartbeat(worker_id=worker_id, model="builtin:tiny", fingerprint="f", capacity_tokens=capacity,
-                           tokens_in_use=0, running=0, waiting=0, ts=time.time())
+    beat = WorkerHeartbeat(worker_id=worker_id, capacity_tokens=capacity)
     registry.publish(client, keys, beat, ttl_ms=int(ttl_s * 1000))
 
 
 def test_sums_live_workers_and_drops_silent_ones(redis_client, prefix):
     keys = Keys(prefix)
     publish_heartbeat(redis_client, keys, "w1", 32_768)
-    publish_heartbeat(redis_client, keys, "w2", 16_384, ttl_s=0.3)  # about to go silent
+    publish_heartbeat(redis_client, keys, "w2", 16_384)
     capacity = FleetCapacity(redis_client, keys, cache_s=0.0)
     assert capacity.read() == 49_152
     assert sorted(b.worker_id for b in capacity.heartbeats()) == ["w1", "w2"]
-    time.sleep(0.4)
+    publish_heartbeat(redis_client, keys, "w2", 16_384, ttl_s=0.3)  # its last beat: then it goes silent
+    deadline = time.monotonic() + 30
+    while redis_client.exists(keys.worker("w2")):  # until its heartbeat's TTL runs out
+        assert time.monotonic() < deadline, "the heartbeat never expired"
+        time.sleep(0.01)
     assert capacity.read() == 32_768
 
 

@@ -15,8 +15,9 @@ import pytest
 import redis
 import torch
 
+from kernels.contract import PagedBatch
 from kvfleet.constants import Keys
-from kvfleet.contracts import Sampling
+from kvfleet.settings import ColdTierSettings
 from kvstore.blob import Quant
 from kvstore.coldtier import ColdTier, PrefixSource, connect
 from kvstore.hooks import ColdTierHooks
@@ -35,8 +36,9 @@ def _engine(url: str, prefix: str, quant: Quant, num_blocks: int, lock_url: str 
     hooks = ColdTierHooks()
     engine = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=num_blocks, max_model_len=512), hooks=hooks)
     lock_client = redis.Redis.from_url(lock_url) if lock_url else None  # as in production: locks on the state instance
-    hooks.tier = ColdTier(connect(url), Keys(prefix), engine.block_manager.fingerprint, engine.kv_cache, quant=quant,
-                          ttl_s=120, grace_s=60, lock_client=lock_client)
+    hooks.tier = ColdTier(connect(url), Keys(prefix), engine.block_manager.fingerprint, engine.kv_cache,
+                          kernels=engine.kernels, quant=quant, ttl_s=120, grace_s=60,
+                          spill_max_bytes=ColdTierSettings().spill_max_bytes, lock_client=lock_client)
     return engine, hooks.tier
 
 
@@ -63,17 +65,19 @@ def _last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     """Next-token logits of `prompt` over whatever prefix blocks the pool holds for it,
     computing only the rest (into blocks no sequence uses). Runs on the step thread."""
     def compute() -> torch.Tensor:
-        bs = engine.block_manager.block_size
-        prefix = engine.cached_block_ids(engine.prefix_hashes(prompt))
+        blocks = engine.block_manager
+        bs = blocks.block_size
+        prefix = blocks.cached_block_ids(blocks.prefix_hashes(prompt))
         start = len(prefix) * bs
-        scratch = list(engine.block_manager.free_unhashed)[: (len(prompt) - start + bs - 1) // bs]
+        scratch = list(blocks.free_unhashed)[: (len(prompt) - start + bs - 1) // bs]
         table = prefix + scratch
         n_new = len(prompt) - start
         slots = [table[p // bs] * bs + p % bs for p in range(start, len(prompt))]
         meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor([0, n_new], dtype=torch.int32), context_lens=torch.tensor([len(prompt)], dtype=torch.int32),
-            block_tables=torch.tensor([table], dtype=torch.int32), slot_mapping=torch.tensor(slots),
-            query_starts=(0, n_new), num_decode_seqs=0,
+            batch=PagedBatch(cu_seqlens_q=torch.tensor([0, n_new], dtype=torch.int32),
+                             context_lens=torch.tensor([len(prompt)], dtype=torch.int32),
+                             block_tables=torch.tensor([table], dtype=torch.int32)),
+            slot_mapping=torch.tensor(slots), query_starts=(0, n_new), num_decode_seqs=0, kernels=engine.kernels,
         )
         model = engine.loaded.model
         with torch.inference_mode():

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
 from kvfleet.contracts import (
     ALLOWED_TRANSITIONS, SCHEMA_VERSION, JobRequest, JobState, Priority, decode_request, decode_submit, encode,
-    new_job_id, request_from_builtins, to_builtins,
+    WorkerHeartbeat, new_job_id, request_from_builtins, to_builtins, token_cost,
 )
 
 
@@ -42,6 +43,22 @@ def test_other_schema_versions_are_refused():
         decode_request(raw)
 
 
+def test_older_v1_messages_still_decode():
+    # An API from before tokenized prompts sent the text with its length; a worker sent
+    # more heartbeat fields. Both still read, so a fleet upgrades one process at a time.
+    old = msgspec.json.encode({**to_builtins(_request()), "prompt_len": 6})
+    assert decode_request(old).prompt == "hello"
+    beat = msgspec.json.encode({"worker_id": "w", "model": "m", "fingerprint": "f", "capacity_tokens": 7,
+                                "tokens_in_use": 0, "running": 0, "waiting": 0, "ts": 1.0, "v": 1})
+    assert msgspec.json.decode(beat, type=WorkerHeartbeat) == WorkerHeartbeat(worker_id="w", capacity_tokens=7)
+
+
+def test_a_job_costs_its_prompt_tokens_and_every_new_token():
+    assert _request(prompt=None, prompt_tokens=[1, 2, 3]).cost == token_cost(3, 8) == 11
+    with pytest.raises(ValueError, match="tokenize it"):
+        _request().cost  # a text prompt's length depends on the model's tokenizer
+
+
 def test_submit_errors_name_the_field():
     with pytest.raises(msgspec.ValidationError, match=r"\$\.max_new_tokens"):
         decode_submit(b'{"prompt": "x", "max_new_tokens": -1}')
@@ -59,8 +76,9 @@ def test_states_only_move_forward():
             assert not ALLOWED_TRANSITIONS[state]
 
 
-def test_job_ids_are_uuid7_and_time_ordered():
-    a = new_job_id()
-    time.sleep(0.002)
-    b = new_job_id()
+def test_job_ids_are_uuid7_and_time_ordered(monkeypatch):
+    clock = iter([1_700_000_000.0, 1_700_000_000.125])  # two ids 125 ms apart (exact in binary)
+    monkeypatch.setattr("kvfleet.contracts.time", SimpleNamespace(time=lambda: next(clock)))
+    a, b = new_job_id(), new_job_id()
     assert uuid.UUID(a).version == 7 and a < b
+    assert uuid.UUID(a).int >> 80 == 1_700_000_000_000  # the id leads with its millisecond timestamp

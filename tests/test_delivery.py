@@ -16,7 +16,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaProducer
 
 from kvfleet.contracts import JobRequest, Priority, encode
-from scheduler.ledger import Ledger
+from kvfleet.ledger import Ledger
 from tests.fleet import Fleet, free_port
 
 PRIORITIES = ("high", "normal", "low")
@@ -64,7 +64,7 @@ def admitted_count(fleet: Fleet) -> int:
 
 def assert_no_reservation_left(fleet: Fleet) -> None:
     ledger = Ledger(fleet.redis, fleet.keys)
-    assert ledger.in_use() == 0 and fleet.redis.zcard(fleet.keys.ledger + ":leases") == 0
+    assert ledger.in_use() == 0 and fleet.redis.zcard(fleet.keys.ledger_leases) == 0
 
 
 def scheduler_killed_mid_run(make_fleet, n: int) -> None:
@@ -116,7 +116,7 @@ def test_a_duplicated_kafka_message_runs_once(make_fleet):
     port = free_port()
     fleet = make_fleet(workers=1, extra_env={"KVFLEET_SCHEDULER_METRICS_PORT": str(port)})
     job = JobRequest(job_id="dup-1", tenant="acme", priority=Priority.NORMAL, model="builtin:tiny",
-                     max_new_tokens=4, submitted_at=time.time(), prompt="twice")  # no prompt_len: tokenized
+                     max_new_tokens=4, submitted_at=time.time(), prompt="twice")  # text: the scheduler tokenizes it
     producer = KafkaProducer(bootstrap_servers=fleet.env["KVFLEET_KAFKA_BOOTSTRAP"], acks="all")
     for _ in range(2):
         producer.send(f"{fleet.prefix}.requests.normal", key=b"acme", value=encode(job)).get(10)

@@ -26,9 +26,8 @@ def _generate(device: str, dtype: str, max_new: int = 24) -> list[list[int]]:
 
 
 def test_triton_kernels_are_used_on_cuda():
-    from kernels import ops
-
-    assert ops.backend() == "triton"
+    with Engine(load_model("builtin:tiny", device="cuda"), EngineConfig()) as engine:
+        assert (engine.kernels.backend, engine.kernels.attention) == ("triton", "paged")
 
 
 def test_cuda_fp32_greedy_equals_cpu_reference():

@@ -52,11 +52,11 @@ def test_finish_releases_the_reservation_atomically(store, redis_client):
     job = _job()
     store.create(job)
     redis_client.hset(store.keys.ledger, job.job_id, 100)
-    redis_client.zadd(store.keys.ledger + ":leases", {job.job_id: time.time() + 60})
+    redis_client.zadd(store.keys.ledger_leases, {job.job_id: time.time() + 60})
     store.start(job.job_id, now=1.0, worker="w")
     assert store.finish(_done(job)).ok
     assert redis_client.hget(store.keys.ledger, job.job_id) is None
-    assert redis_client.zscore(store.keys.ledger + ":leases", job.job_id) is None
+    assert redis_client.zscore(store.keys.ledger_leases, job.job_id) is None
 
 
 def test_only_the_lease_holder_writes_the_result(store, redis_client):

@@ -2,7 +2,7 @@
 
 TRITON_INTERPRET=1 must be in the environment before a kernel module is imported (the
 triton.jit decorator reads it), and setting it in this process would also switch the
-engine tests' kernels.ops to the slow interpreter. So the interpreted tests run in a
+engine tests' kernels (kernels.ops.select("auto", ...)) to the slow interpreter. So the interpreted tests run in a
 child pytest of this same file started with TRITON_INTERPRET=1:
 `test_triton_kernels_under_interpreter` starts it, and the class TestUnderInterpreter
 is collected only there (its `__test__` flag). Run the child's tests alone with
@@ -24,7 +24,6 @@ multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584, not supported)
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -33,7 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import gather_sdpa, reference, torch_attention
+from kernels import gather_sdpa, ops, reference, torch_attention
+from kernels.contract import PagedBatch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ BLOCK_SIZE = 4
 def make_batch(
     q_lens: list[int], ctxs: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype,
     *, block_size: int = BLOCK_SIZE, seed: int = 0,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedBatch]:
     """A shuffled paged pool holding each sequence's context; unused slots are NaN."""
     g = torch.Generator().manual_seed(seed)
     per_seq = max((c + block_size - 1) // block_size for c in ctxs) + 1  # one spare column
@@ -64,7 +64,7 @@ def make_batch(
         reference.store_kvcache(kv[0], kv[1], k_cache, v_cache, slots)
     q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-    return q, k_cache, v_cache, cu, torch.tensor(ctxs, dtype=torch.int32), tables.int()
+    return q, k_cache, v_cache, PagedBatch(cu, torch.tensor(ctxs, dtype=torch.int32), tables.int())
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,7 +75,7 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_triton_kernels_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "KVFLEET_KERNELS": "auto"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", f"{__file__}::TestUnderInterpreter", "-q", "-p", "no:cacheprovider"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
@@ -94,47 +94,42 @@ test_triton_kernels_under_interpreter.__test__ = not INTERPRET  # type: ignore[a
 def test_torch_attention_paths_match_reference(impl, batch, hq, hkv, dtype, tol) -> None:
     # torch_attention takes its grouped decode path on DECODE; the NaN in unused pool
     # slots would show any read past a sequence's context.
-    q, kc, vc, cu, ctx, tables = make_batch(*batch, hq, hkv, 32, dtype)
-    want = reference.paged_attention(q, kc, vc, cu, ctx, tables, 32**-0.5)
-    got = impl.paged_attention(q, kc, vc, cu, ctx, tables, 32**-0.5)
+    q, kc, vc, paged = make_batch(*batch, hq, hkv, 32, dtype)
+    want = reference.paged_attention(q, kc, vc, paged, 32**-0.5)
+    got = impl.paged_attention(q, kc, vc, paged, 32**-0.5)
     assert max_err(got, want) <= tol
 
 
-@pytest.fixture
-def ops(monkeypatch: pytest.MonkeyPatch):
-    """kernels.ops re-imported under a test's environment, restored afterwards."""
-    import kernels.ops
-
-    yield kernels.ops
-    monkeypatch.undo()
-    importlib.reload(kernels.ops)
-
-
-def test_ops_env_selects_torch(ops, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVFLEET_KERNELS", "torch")
-    monkeypatch.setenv("KVFLEET_ATTENTION", "sdpa")
-    importlib.reload(ops)
-    assert (ops.backend(), ops.attention()) == ("torch", "sdpa")
-    q, kc, vc, cu, ctx, tables = make_batch(*MIXED, 4, 2, 16, torch.float32)
-    got = ops.paged_attention(q, kc, vc, cu, ctx, tables, 0.25)
-    assert max_err(got, reference.paged_attention(q, kc, vc, cu, ctx, tables, 0.25)) <= 1e-5
+def test_select_torch_and_sdpa() -> None:
+    kernels = ops.select("torch", "sdpa")
+    assert (kernels.backend, kernels.attention) == ("torch", "sdpa")
+    assert kernels.paged_attention is gather_sdpa.paged_attention
+    assert kernels.store_kvcache is reference.store_kvcache
+    q, kc, vc, paged = make_batch(*MIXED, 4, 2, 16, torch.float32)
+    got = kernels.paged_attention(q, kc, vc, paged, 0.25)
+    assert max_err(got, reference.paged_attention(q, kc, vc, paged, 0.25)) <= 1e-5
+    assert ops.select("torch", "paged").paged_attention is torch_attention.paged_attention
 
 
-def test_ops_rejects_unknown_names(ops, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVFLEET_KERNELS", "cuda")
+def test_select_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="auto.*triton.*torch"):
-        importlib.reload(ops)
+        ops.select("cuda", "paged")
     with pytest.raises(ValueError, match="paged.*sdpa"):
-        ops.set_attention("flash")
+        ops.select("auto", "flash")
 
 
-def test_ops_forced_triton_fails_clearly_without_gpu(ops, monkeypatch) -> None:
+def test_select_forced_triton_fails_clearly_without_gpu(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="cannot run here: no CUDA device"):
-        ops.set_backend("triton")
-    ops.set_backend("auto")
-    assert ops.backend() == "torch"
+        ops.select("triton", "paged")
+    assert ops.select("auto", "paged").backend == "torch"
+
+
+def test_kernels_are_immutable() -> None:
+    kernels = ops.select("torch", "paged")
+    with pytest.raises(AttributeError):
+        kernels.paged_attention = gather_sdpa.paged_attention  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------- child side
@@ -261,28 +256,27 @@ class TestUnderInterpreter:
 
     def test_paged_attention_block_size_16(self) -> None:
         batch = ([1, 1, 1, 1, 5], [1, 15, 16, 17, 40])
-        q, kc, vc, cu, ctx, tables = make_batch(*batch, 8, 2, 32, torch.float32, block_size=16)
-        self._compare(q, kc, vc, cu, ctx, tables, 1e-5)
+        q, kc, vc, paged = make_batch(*batch, 8, 2, 32, torch.float32, block_size=16)
+        self._compare(q, kc, vc, paged, 1e-5)
 
-    def test_ops_auto_runs_triton(self) -> None:
-        import kernels.ops as ops
+    def test_select_auto_runs_triton(self) -> None:
         from kernels import paged_attention, quant_int8
 
-        ops.set_backend("auto")
-        assert ops.backend() == "triton" and ops.attention() == "paged"
-        assert ops._impl.paged_attention is paged_attention.paged_attention
-        assert ops._impl.quantize_int8 is quant_int8.quantize_int8
+        kernels = ops.select("auto", "paged")
+        assert kernels.backend == "triton" and kernels.attention == "paged"
+        assert kernels.paged_attention is paged_attention.paged_attention
+        assert kernels.quantize_int8 is quant_int8.quantize_int8
 
     def _check(self, batch, hq, hkv, d, dtype, tol, **tiles) -> None:
-        q, kc, vc, cu, ctx, tables = make_batch(*batch, hq, hkv, d, dtype)
-        self._compare(q, kc, vc, cu, ctx, tables, tol, **tiles)
+        q, kc, vc, paged = make_batch(*batch, hq, hkv, d, dtype)
+        self._compare(q, kc, vc, paged, tol, **tiles)
 
     @staticmethod
-    def _compare(q, kc, vc, cu, ctx, tables, tol, **tiles) -> None:
+    def _compare(q, kc, vc, paged, tol, **tiles) -> None:
         from kernels.paged_attention import paged_attention
 
         scale = q.shape[-1] ** -0.5
-        got = paged_attention(q, kc, vc, cu, ctx, tables, scale, **tiles)
-        want = reference.paged_attention(q, kc, vc, cu, ctx, tables, scale)
+        got = paged_attention(q, kc, vc, paged, scale, **tiles)
+        want = reference.paged_attention(q, kc, vc, paged, scale)
         assert got.shape == want.shape and got.dtype == want.dtype
         assert max_err(got, want) <= tol

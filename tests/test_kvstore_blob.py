@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from kernels import ops
 from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, HEADER, BlobCodec, KVLayout, Quant
 from kvstore.errors import BlobError
 
@@ -15,6 +16,11 @@ from kvstore.errors import BlobError
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+KERNELS = ops.select("auto", "paged")
+
+
+def make_codec(layout: KVLayout, model: str, quant: Quant = Quant.NONE) -> BlobCodec:
+    return BlobCodec(layout, model, quant=quant, kernels=KERNELS)
 
 
 def sealed(codec: BlobCodec, block: str = "b1", seed: int = 0) -> tuple[bytes, torch.Tensor]:
@@ -27,7 +33,7 @@ def sealed(codec: BlobCodec, block: str = "b1", seed: int = 0) -> tuple[bytes, t
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_roundtrip_is_exact(dtype):
-    codec = BlobCodec(KVLayout(3, 4, 2, 64, dtype), "model-a")
+    codec = make_codec(KVLayout(3, 4, 2, 64, dtype), "model-a")
     raw, original = sealed(codec)
     assert len(raw) == HEADER.size + original.numel() * dtype.itemsize
     assert torch.equal(codec.open(raw, "b1").tensor(), original)
@@ -38,7 +44,7 @@ def test_header_is_80_bytes_and_keeps_the_payload_aligned():
 
 
 def test_int8_halves_the_bytes_within_half_a_step():
-    fp16, int8 = BlobCodec(LAYOUT, "m"), BlobCodec(LAYOUT, "m", quant=Quant.INT8)
+    fp16, int8 = make_codec(LAYOUT, "m"), make_codec(LAYOUT, "m", Quant.INT8)
     raw16, original = sealed(fp16)
     buf = bytearray(int8.raw_nbytes)
     kv = int8.payload(buf)
@@ -53,7 +59,7 @@ def test_int8_halves_the_bytes_within_half_a_step():
 
 
 def test_expiry_can_be_rewritten_in_place_without_breaking_the_checksum():
-    codec = BlobCodec(LAYOUT, "m")
+    codec = make_codec(LAYOUT, "m")
     raw, _ = sealed(codec)
     touched = bytearray(raw)
     touched[EXPIRES_AT_OFFSET:EXPIRES_AT_OFFSET + 8] = EXPIRES_AT.pack(123.0)
@@ -83,15 +89,15 @@ def patch_header(raw: bytes, offset: int, fmt: str, value) -> bytes:
         (lambda raw: patch_header(raw, 4, "<B", 2), "version"),
         (lambda raw: patch_header(raw, 6, "<B", 7), "quantization"),
         (lambda raw: patch_header(raw, 7, "<B", 1), "checksum"),  # the checksum covers the header too
-        (lambda raw: sealed(BlobCodec(LAYOUT, "model-b"))[0], "model"),
-        (lambda raw: sealed(BlobCodec(LAYOUT, "m"), block="b2")[0], "block"),
-        (lambda raw: sealed(BlobCodec(KVLayout(3, 4, 2, 64, torch.bfloat16), "m"))[0], "dtype"),
-        (lambda raw: sealed(BlobCodec(KVLayout(3, 4, 4, 32, torch.float16), "m"))[0], "shape"),
-        (lambda raw: sealed(BlobCodec(KVLayout(2, 4, 2, 64, torch.float16), "m"))[0], "shape"),
+        (lambda raw: sealed(make_codec(LAYOUT, "model-b"))[0], "model"),
+        (lambda raw: sealed(make_codec(LAYOUT, "m"), block="b2")[0], "block"),
+        (lambda raw: sealed(make_codec(KVLayout(3, 4, 2, 64, torch.bfloat16), "m"))[0], "dtype"),
+        (lambda raw: sealed(make_codec(KVLayout(3, 4, 4, 32, torch.float16), "m"))[0], "shape"),
+        (lambda raw: sealed(make_codec(KVLayout(2, 4, 2, 64, torch.float16), "m"))[0], "shape"),
     ],
 )
 def test_invalid_blobs_are_rejected_with_a_reason(mangle, reason):
-    codec = BlobCodec(LAYOUT, "m")
+    codec = make_codec(LAYOUT, "m")
     raw, _ = sealed(codec)
     with pytest.raises(BlobError) as err:
         codec.open(mangle(raw), "b1")

@@ -10,7 +10,9 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from kernels import ops
 from kvfleet.constants import Keys
+from kvfleet.settings import ColdTierSettings
 from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, HEADER, BlobCodec, KVLayout, Quant
 from kvstore.coldtier import ColdTier, PrefixSource, connect
 from kvstore.hooks import ColdTierHooks
@@ -22,6 +24,17 @@ MODEL = "model-a"
 # A GPU pool exercises the device → host gather and the on-device dequantize; CPU always.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 HASHES = [f"{i:032x}" for i in range(1, 6)]  # the engine's block hashes are 32 hex chars
+#: The most any wait below may take; only a broken behaviour reaches it.
+TIMEOUT_S = 30.0
+_SETTINGS = ColdTierSettings()
+#: What every ColdTier needs: the production defaults, the kernels the engine runs by default.
+TIER_OPTIONS = dict(kernels=ops.select("auto", "paged"), quant=Quant(_SETTINGS.quant), ttl_s=_SETTINGS.ttl_s,
+                    grace_s=_SETTINGS.grace_s, spill_max_bytes=_SETTINGS.spill_max_bytes)
+
+
+def store(tier: ColdTier, hashes, block_ids) -> None:
+    """Write blocks at once, as the fleet's single-flight prefill does (workers/prefix.py)."""
+    tier.write(tier.copy_out(hashes, block_ids))
 
 
 def make_pool(dtype=torch.float16, *, layers=2, blocks=8, block_size=4, heads=2, dim=64, seed=0, zeros=False, device="cpu"):
@@ -43,13 +56,20 @@ def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+def wait_until(condition, what: str, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def make_tier(cache_client, prefix):
     tiers: list[ColdTier] = []
 
     def make(pool, **options) -> ColdTier:
         options.setdefault("ttl_s", 60)
-        tier = ColdTier(cache_client, Keys(prefix), options.pop("model", MODEL), pool, **options)
+        tier = ColdTier(cache_client, Keys(prefix), options.pop("model", MODEL), pool, **{**TIER_OPTIONS, **options})
         tiers.append(tier)
         return tier
 
@@ -62,7 +82,7 @@ def make_tier(cache_client, prefix):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_store_then_load_is_exact(make_tier, dtype, device):
     src, dst = make_pool(dtype, device=device), make_pool(dtype, zeros=True, device=device)
-    make_tier(src).store(HASHES[:3], [1, 2, 3])
+    store(make_tier(src), HASHES[:3], [1, 2, 3])
     asked = []
     loaded = make_tier(dst).load(HASHES[:3], lambda n: asked.append(n) or [5, 6, 7][:n])
     assert loaded == 3 and asked == [3]
@@ -74,7 +94,7 @@ def test_store_then_load_is_exact(make_tier, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_int8_load_is_within_tolerance(make_tier, device):
     src, dst = make_pool(torch.float16, device=device), make_pool(torch.float16, zeros=True, device=device)
-    make_tier(src, quant=Quant.INT8).store(HASHES[:1], [1])
+    store(make_tier(src, quant=Quant.INT8), HASHES[:1], [1])
     assert make_tier(dst).load(HASHES[:1], lambda n: [4]) == 1  # any reader opens int8 blobs
     x, y = block_of(src, 1).float(), block_of(dst, 4).float()
     step = x.abs().amax(dim=-1, keepdim=True) / 127  # half a step per row, plus fp16 rounding
@@ -83,7 +103,7 @@ def test_int8_load_is_within_tolerance(make_tier, device):
 
 def test_load_returns_the_longest_leading_run(make_tier):
     tier = make_tier(make_pool())
-    tier.store([HASHES[0], HASHES[1], HASHES[3]], [0, 1, 3])  # HASHES[2] missing
+    store(tier, [HASHES[0], HASHES[1], HASHES[3]], [0, 1, 3])  # HASHES[2] missing
     assert tier.load(HASHES[:4], lambda n: list(range(4, 4 + n))) == 2
     assert tier.load(HASHES[2:4], lambda n: pytest.fail("nothing to allocate")) == 0
 
@@ -110,25 +130,33 @@ def test_spill_drops_and_counts_when_the_queue_is_full(make_tier):
 
 def test_spill_writes_batches_with_jittered_physical_ttls(make_tier, cache_client):
     tier = make_tier(make_pool(), ttl_s=100, grace_s=50)
+    spilled = time.monotonic()
     for i, h in enumerate(HASHES):
         assert tier.spill(h, i)
-    assert tier.flush(10)
+    assert tier.flush(TIMEOUT_S)
     pttls = [cache_client.pttl(tier.key(h)) for h in HASHES]
-    assert all(139_000 <= p <= 160_000 for p in pttls) and len(set(pttls)) == len(HASHES)
+    ran_down_ms = (time.monotonic() - spilled) * 1000  # however long the writes and reads took
+    assert all(140_000 - ran_down_ms - 1 <= p <= 160_000 for p in pttls)  # (100 ± 10%) + 50 s
+    assert len(set(pttls)) == len(HASHES)
 
 
 def test_a_stale_block_is_loaded_and_its_life_extended(make_tier, cache_client):
     tier = make_tier(make_pool(), ttl_s=0.2, grace_s=30, jitter=0.0)
-    tier.store(HASHES[:1], [0])
-    time.sleep(0.3)  # logically expired: still correct (content-addressed), so still used
-    assert tier.load(HASHES[:1], lambda n: [1]) == 1
-    raw = cache_client.get(tier.key(HASHES[0]))
-    assert EXPIRES_AT.unpack_from(raw, EXPIRES_AT_OFFSET)[0] > time.time()
+    store(tier, HASHES[:1], [0])
+
+    def expires_at() -> float:
+        return EXPIRES_AT.unpack_from(cache_client.get(tier.key(HASHES[0])), EXPIRES_AT_OFFSET)[0]
+
+    stored_expiry = expires_at()
+    wait_until(lambda: time.time() > stored_expiry, "the block is logically expired")  # physically present
+    loading = time.time()
+    assert tier.load(HASHES[:1], lambda n: [1]) == 1  # still correct (content-addressed), so still used
+    assert expires_at() >= loading + 0.2  # touched: a whole new lifetime from the load on
     assert tier.load(HASHES[:1], lambda n: [1]) == 1  # the touched blob still validates
 
 
 def _mangled(tier: ColdTier, how: str) -> bytes:
-    good = BlobCodec(tier.layout, MODEL)
+    good = BlobCodec(tier.layout, MODEL, kernels=tier.codec.kernels)
     buf = bytearray(good.raw_nbytes)
     kv = good.payload(buf)
     kv.normal_()
@@ -138,9 +166,9 @@ def _mangled(tier: ColdTier, how: str) -> bytes:
     if how == "truncated":
         return raw[: len(raw) // 2]
     if how == "model":
-        other = BlobCodec(tier.layout, "model-b")
+        other = BlobCodec(tier.layout, "model-b", kernels=tier.codec.kernels)
     else:  # shape
-        other = BlobCodec(KVLayout(2, 4, 2, 32, torch.float16), MODEL)
+        other = BlobCodec(KVLayout(2, 4, 2, 32, torch.float16), MODEL, kernels=tier.codec.kernels)
     buf = bytearray(other.raw_nbytes)
     kv = other.payload(buf)
     kv.normal_()
@@ -159,8 +187,9 @@ def test_an_invalid_blob_is_a_miss_and_is_deleted(make_tier, cache_client, how, 
     assert all(k.abs().sum() == 0 and v.abs().sum() == 0 for k, v in dst)  # never loaded
 
 
-def test_ensure_prefix_prefills_once_across_workers(make_tier):
+def test_ensure_prefix_prefills_once_across_workers(make_tier, cache_client, prefix):
     builder_pool = make_pool(seed=1)
+    lock_key = Keys(prefix).lock(f"prefix:{MODEL}:{HASHES[2]}")
     prefills = []
 
     def worker(results: list) -> None:
@@ -168,8 +197,9 @@ def test_ensure_prefix_prefills_once_across_workers(make_tier):
 
         def prefill() -> None:  # stands in for a local prefill of the prompt
             prefills.append(1)
-            time.sleep(0.3)
-            make_tier(builder_pool).store(HASHES[:3], [0, 1, 2])
+            # Stored only once the five others wait on it: none of them finds it done already.
+            wait_until(lambda: cache_client.pubsub_numsub(lock_key)[0][1] == 5, "the others wait")
+            store(make_tier(builder_pool), HASHES[:3], [0, 1, 2])
 
         source = tier.ensure_prefix(HASHES[:3], prefill)
         if source is PrefixSource.COLD:
@@ -178,26 +208,28 @@ def test_ensure_prefix_prefills_once_across_workers(make_tier):
         results.append(source)
 
     results: list = []
-    threads = [threading.Thread(target=worker, args=(results,)) for _ in range(6)]
+    threads = [threading.Thread(target=worker, args=(results,), daemon=True) for _ in range(6)]
     [t.start() for t in threads]
-    [t.join(30) for t in threads]
+    [t.join(2 * TIMEOUT_S) for t in threads]
     assert len(prefills) == 1
     assert sorted(results) == sorted([PrefixSource.BUILT] + [PrefixSource.COLD] * 5)
 
 
 def test_ensure_prefix_without_the_lock_prefills_everywhere(make_tier):
     prefills = []
+    everyone = threading.Barrier(4)
     tiers = [make_tier(make_pool(zeros=True), use_lock=False) for _ in range(4)]
 
     def prefill(tier: ColdTier) -> None:
         prefills.append(1)
-        time.sleep(0.2)
-        tier.store(HASHES[:2], [0, 1])
+        everyone.wait(TIMEOUT_S)  # none stores before all four are prefilling
+        store(tier, HASHES[:2], [0, 1])
 
-    threads = [threading.Thread(target=t.ensure_prefix, args=(HASHES[:2], lambda t=t: prefill(t))) for t in tiers]
+    threads = [threading.Thread(target=t.ensure_prefix, args=(HASHES[:2], lambda t=t: prefill(t)), daemon=True)
+               for t in tiers]
     [t.start() for t in threads]
-    [t.join(30) for t in threads]
-    assert len(prefills) == 4
+    [t.join(2 * TIMEOUT_S) for t in threads]
+    assert len(prefills) == 4 and not everyone.broken
 
 
 def test_hooks_spill_on_evict_and_fill_on_admit(make_tier):
@@ -214,16 +246,17 @@ def test_hooks_spill_on_evict_and_fill_on_admit(make_tier):
     assert torch.equal(block_of(dst, 6), block_of(src, 0)) and torch.equal(block_of(dst, 5), block_of(src, 1))
 
 
-def test_redis_down_is_a_quick_miss_not_an_error(prefix):
+def test_redis_down_is_a_quick_miss_not_an_error(prefix, monkeypatch):
+    backoffs: list[float] = []
+    monkeypatch.setattr("redis.retry.sleep", backoffs.append)  # where redis-py waits between retries
     before = metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="error")
-    tier = ColdTier(connect("redis://127.0.0.1:1/0"), Keys(prefix), MODEL, make_pool())  # nothing listens
+    tier = ColdTier(connect("redis://127.0.0.1:1/0"), Keys(prefix), MODEL, make_pool(), **TIER_OPTIONS)  # nothing listens
     try:
         hooks = ColdTierHooks(tier)
-        started = time.perf_counter()
         assert hooks.on_admit([SimpleNamespace(block_hash=HASHES[0], block_id=0)]) == 0
-        assert time.perf_counter() - started < 1.0  # the engine's step thread is not held up
+        assert backoffs == []  # the engine's step thread is not held up: no backoff before the miss
         hooks.on_evict(HASHES[0], (), None, 0)  # queued; the writer's failure is counted, not raised
-        assert tier.flush(10)
+        assert tier.flush(TIMEOUT_S)
         assert metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="error") == before + 1
     finally:
         tier.close()

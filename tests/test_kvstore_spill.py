@@ -6,6 +6,9 @@ import threading
 
 from kvstore.spill import SpillQueue
 
+#: The most any wait below may take; only a broken behaviour reaches it.
+TIMEOUT_S = 30.0
+
 
 class GatedWriter:
     """Records batches; holds the writer thread until `gate` opens."""
@@ -18,7 +21,7 @@ class GatedWriter:
 
     def __call__(self, items: list[int]) -> None:
         self.entered.set()
-        self.gate.wait(10)
+        self.gate.wait(2 * TIMEOUT_S)  # held until the test opens it
         if self.fail_first and not self.batches:
             self.batches.append([])
             raise RuntimeError("redis exploded")
@@ -29,13 +32,13 @@ def test_offer_refuses_instead_of_blocking_when_full():
     writer = GatedWriter()
     queue = SpillQueue(writer, max_bytes=300, max_batch=4)
     assert queue.offer(0, 100)
-    assert writer.entered.wait(5)  # item 0 is being written: it still counts against the bound
+    assert writer.entered.wait(TIMEOUT_S)  # item 0 is being written: it still counts against the bound
     assert queue.offer(1, 100) and queue.offer(2, 100)
     assert not queue.has_room(100)
     assert not queue.offer(3, 100)  # dropped, at once
     assert queue.pending_bytes == 300
     writer.gate.set()
-    assert queue.flush(5)
+    assert queue.flush(TIMEOUT_S)
     assert [i for batch in writer.batches for i in batch] == [0, 1, 2]
     assert queue.pending_bytes == 0
     queue.close()
@@ -45,11 +48,11 @@ def test_backlog_goes_out_in_batches_in_order():
     writer = GatedWriter()
     queue = SpillQueue(writer, max_bytes=10_000, max_batch=4)
     assert queue.offer(0, 1)
-    assert writer.entered.wait(5)
+    assert writer.entered.wait(TIMEOUT_S)
     for i in range(1, 11):
         assert queue.offer(i, 1)
     writer.gate.set()
-    assert queue.flush(5)
+    assert queue.flush(TIMEOUT_S)
     assert writer.batches == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
     queue.close()
 
@@ -59,9 +62,9 @@ def test_a_failing_batch_does_not_stop_the_writer():
     writer.gate.set()
     queue = SpillQueue(writer, max_bytes=100, max_batch=1)
     assert queue.offer(0, 10)
-    assert queue.flush(5)
+    assert queue.flush(TIMEOUT_S)
     assert queue.offer(1, 10)
-    assert queue.flush(5)
+    assert queue.flush(TIMEOUT_S)
     assert writer.batches == [[], [1]]
     queue.close()
 

@@ -1,5 +1,6 @@
-"""The token ledger on the real Redis: atomic reservations shared by replicas, leases,
-and the release a worker's finish performs through the job store."""
+"""The token ledger on the real Redis: reservations made by admission (atomic, shared by
+replicas, counted once), leases renewed and reclaimed, and the release a job's finish
+performs. Reservations are made the one way production makes them, `JobStore.admit_many`."""
 
 from __future__ import annotations
 
@@ -12,22 +13,38 @@ import redis as redis_lib
 
 from kvfleet.constants import Keys
 from kvfleet.contracts import JobRequest, JobResult, JobState, Priority, Timings
-from kvfleet.jobstore import JobStore
-from scheduler.ledger import Ledger
+from kvfleet.jobstore import Admit, JobStore
+from kvfleet.ledger import Ledger
 
 CAPACITY = 10_000
 
 
-def _grab(url: str, prefix: str, worker: int, n: int, out, start) -> None:
-    """Reserve n jobs of random sizes once `start` is set; report what was granted."""
-    ledger = Ledger(redis_lib.Redis.from_url(url), Keys(prefix))
-    ledger.in_use()  # connect and load the scripts before the race starts
+def _create(store: JobStore, *job_ids: str) -> None:
+    for job_id in job_ids:
+        store.create(JobRequest(job_id=job_id, tenant="acme", priority=Priority.NORMAL, model="builtin:tiny",
+                                max_new_tokens=16, submitted_at=time.time(), prompt_tokens=[1, 2, 3]))
+
+
+def _admit(store: JobStore, *jobs: tuple[str, int], lease_s: float = 60.0, tenant: str = "acme",
+           priority: Priority = Priority.NORMAL) -> list[bool]:
+    """Admit the (job id, tokens) in order, as the scheduler does; which were reserved."""
+    out = store.admit_many([Admit(job_id, tokens, tenant, priority) for job_id, tokens in jobs],
+                           capacity=CAPACITY, lease_s=lease_s, now=time.time(), by="test")
+    return [a.reserved for a in out]
+
+
+def _grab(url: str, prefix: str, worker: int, n: int, out, start, ready=None) -> None:
+    """Admit n jobs of random sizes once `start` is set; report what was granted."""
+    store = JobStore(redis_lib.Redis.from_url(url), Keys(prefix))
     rng = random.Random(worker)
+    jobs = [(f"w{worker}-{i}", rng.randint(100, 900)) for i in range(n)]
+    _create(store, *(job_id for job_id, _ in jobs))  # connects and loads the scripts before the race
+    if ready is not None:
+        ready.put(worker)
     granted = {}
-    start.wait(30)
-    for i in range(n):
-        job_id, tokens = f"w{worker}-{i}", rng.randint(100, 900)
-        if ledger.reserve(job_id, tokens, 60.0, CAPACITY):
+    start.wait(60)
+    for job_id, tokens in jobs:
+        if _admit(store, (job_id, tokens)) == [True]:
             granted[job_id] = tokens
     out.put(granted)
 
@@ -37,26 +54,27 @@ def _assert_never_over(ledger: Ledger, granted: dict[str, int]) -> None:
     assert ledger.in_use() > CAPACITY - 900  # contended: it filled up, then refused
 
 
-def test_reserve_counts_and_release_frees(redis_client, prefix):
-    ledger = Ledger(redis_client, Keys(prefix))
-    assert ledger.reserve("a", 6_000, 60.0, CAPACITY)
-    assert not ledger.reserve("b", 5_000, 60.0, CAPACITY)  # 11k > 10k
-    assert ledger.reserve("c", 4_000, 60.0, CAPACITY)  # exactly full
-    assert ledger.in_use() == CAPACITY
-    assert ledger.release("a") and not ledger.release("a")
-    assert ledger.in_use() == 4_000 and ledger.tokens("a") is None
+def test_admission_reserves_within_capacity_and_an_end_frees(redis_client, prefix):
+    store, ledger = JobStore(redis_client, Keys(prefix)), Ledger(redis_client, Keys(prefix))
+    _create(store, "a", "b", "c")
+    assert _admit(store, ("a", 6_000), ("b", 5_000), ("c", 4_000)) == [True, False, True]  # b: 11k > 10k
+    assert ledger.in_use() == CAPACITY  # exactly full
+    assert store.fail("a", JobState.CANCELLED, "cancelled", "by the client", now=time.time()).ok
+    assert ledger.in_use() == 4_000 and redis_client.hget(Keys(prefix).ledger, "a") is None
 
 
-def test_reserve_is_idempotent_per_job(redis_client, prefix):
-    ledger = Ledger(redis_client, Keys(prefix))
-    assert ledger.reserve("a", 6_000, 100.0, CAPACITY, now=1_000.0)
-    # A redelivery of the same job: still granted, counted once, even at a capacity
-    # it would not fit in twice; and its lease is extended, never shortened.
-    assert ledger.reserve("a", 6_000, 10.0, CAPACITY, now=1_000.0)
-    assert ledger.in_use() == 6_000
-    assert redis_client.zscore(Keys(prefix).ledger + ":leases", "a") == 1_100.0
-    assert ledger.reserve("a", 6_000, 200.0, CAPACITY, now=1_000.0)
-    assert redis_client.zscore(Keys(prefix).ledger + ":leases", "a") == 1_200.0
+def test_a_reservation_counts_once_per_job(redis_client, prefix):
+    keys = Keys(prefix)
+    store, ledger = JobStore(redis_client, keys), Ledger(redis_client, keys)
+    _create(store, "a")
+    assert _admit(store, ("a", 6_000), lease_s=100.0) == [True]
+    first = redis_client.zscore(keys.ledger_leases, "a")
+    # Admitted again (a redelivery): still granted, counted once, even at a capacity it
+    # would not fit in twice; and its lease is extended, never shortened.
+    assert _admit(store, ("a", 6_000), lease_s=10.0) == [True]
+    assert ledger.in_use() == 6_000 and redis_client.zscore(keys.ledger_leases, "a") == first
+    assert _admit(store, ("a", 6_000), lease_s=200.0) == [True]
+    assert 99.0 < redis_client.zscore(keys.ledger_leases, "a") - first < 130.0
 
 
 def test_no_over_admission_from_concurrent_threads(redis_url, prefix):
@@ -72,11 +90,12 @@ def test_no_over_admission_from_concurrent_threads(redis_url, prefix):
 
 def test_no_over_admission_from_two_processes(redis_url, prefix):
     ctx = multiprocessing.get_context("spawn")
-    queue, start = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_grab, args=(redis_url, prefix, w, 150, queue, start)) for w in range(2)]
+    queue, start, ready = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_grab, args=(redis_url, prefix, w, 150, queue, start, ready)) for w in range(2)]
     for p in procs:
         p.start()
-    time.sleep(1.0)  # let both import and connect, so they race from the same instant
+    for _ in procs:
+        ready.get(timeout=60)  # both imported and connected: they race from the same instant
     start.set()
     granted = {}
     for _ in procs:
@@ -88,30 +107,44 @@ def test_no_over_admission_from_two_processes(redis_url, prefix):
 
 
 def test_reclaim_frees_expired_leases_only(redis_client, prefix):
-    ledger = Ledger(redis_client, Keys(prefix))
-    ledger.reserve("dead", 1_000, 10.0, CAPACITY, now=100.0)
-    ledger.reserve("alive", 2_000, 10.0, CAPACITY, now=100.0)
-    assert ledger.renew("alive", 60.0, now=105.0)  # its worker keeps renewing
-    assert ledger.reclaim_expired(now=109.9) == []
-    assert ledger.reclaim_expired(now=111.0) == ["dead"]
-    assert ledger.in_use() == 2_000
-    assert not ledger.renew("dead", 60.0, now=111.0)  # reclaimed: its worker learns it
-    assert ledger.reclaim_expired(now=111.0) == []
+    keys = Keys(prefix)
+    store, ledger = JobStore(redis_client, keys), Ledger(redis_client, keys)
+    _create(store, "dead", "alive")
+    assert _admit(store, ("dead", 1_000), ("alive", 2_000), lease_s=10.0) == [True, True]
+    until = redis_client.zscore(keys.ledger_leases, "dead")  # both: admitted in one call
+    assert ledger.renew("alive", 60.0, now=until - 5)  # its worker keeps renewing
+    assert ledger.reclaim_expired(now=until - 0.1) == []
+    assert ledger.reclaim_expired(now=until + 1) == ["dead"]
+    assert ledger.in_use() == 2_000 and redis_client.hkeys(keys.ledger_meta) == [b"alive"]
+    assert not ledger.renew("dead", 60.0, now=until + 1)  # reclaimed: its worker learns it
+    assert ledger.reclaim_expired(now=until + 1) == []
 
 
 def test_reclaim_uses_redis_time_by_default(redis_client, prefix):
-    ledger = Ledger(redis_client, Keys(prefix))
-    ledger.reserve("short", 1_000, 0.2, CAPACITY)
-    ledger.reserve("long", 1_000, 60.0, CAPACITY)
-    time.sleep(0.3)
+    keys = Keys(prefix)
+    store, ledger = JobStore(redis_client, keys), Ledger(redis_client, keys)
+    _create(store, "short", "long")
+    _admit(store, ("short", 1_000), lease_s=0.2)
+    _admit(store, ("long", 1_000), lease_s=60.0)
+    short_until = redis_client.zscore(keys.ledger_leases, "short")
+    deadline = time.monotonic() + 30
+    while _redis_now(redis_client) <= short_until:  # the lease runs out on Redis's clock, not ours
+        assert time.monotonic() < deadline, "Redis's clock did not pass the lease"
+        time.sleep(0.01)
     assert ledger.reclaim_expired() == ["short"]
 
 
+def _redis_now(client: redis_lib.Redis) -> float:
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
 def test_usage_splits_by_tenant_and_class(redis_client, prefix):
-    ledger = Ledger(redis_client, Keys(prefix))
-    ledger.reserve("a", 1_000, 60.0, CAPACITY, tenant="acme", priority=Priority.HIGH)
-    ledger.reserve("b", 2_000, 60.0, CAPACITY, tenant="acme", priority=Priority.LOW)
-    ledger.reserve("c", 4_000, 60.0, CAPACITY, tenant="globex", priority=Priority.LOW)
+    store, ledger = JobStore(redis_client, Keys(prefix)), Ledger(redis_client, Keys(prefix))
+    _create(store, "a", "b", "c")
+    _admit(store, ("a", 1_000), tenant="acme", priority=Priority.HIGH)
+    _admit(store, ("b", 2_000), tenant="acme", priority=Priority.LOW)
+    _admit(store, ("c", 4_000), tenant="globex", priority=Priority.LOW)
     usage = ledger.usage()
     assert usage.in_use == 7_000
     assert usage.by_tenant == {"acme": 3_000, "globex": 4_000}
@@ -121,22 +154,19 @@ def test_usage_splits_by_tenant_and_class(redis_client, prefix):
 def test_job_store_finish_releases_the_reservation(redis_client, prefix):
     keys = Keys(prefix)
     store, ledger = JobStore(redis_client, keys), Ledger(redis_client, keys)
-    request = JobRequest(job_id="job-1", tenant="acme", priority=Priority.NORMAL, model="builtin:tiny",
-                         max_new_tokens=16, submitted_at=time.time(), prompt="hello")
-    store.create(request)
-    assert ledger.reserve("job-1", 500, 60.0, CAPACITY, tenant="acme", priority=Priority.NORMAL)
-    ledger.reserve("job-2", 700, 60.0, CAPACITY, tenant="acme", priority=Priority.NORMAL)
-    assert store.transition("job-1", JobState.ADMITTED).ok and store.transition("job-1", JobState.RUNNING).ok
+    _create(store, "job-1", "job-2")
+    assert _admit(store, ("job-1", 500), ("job-2", 700)) == [True, True]
+    assert store.start("job-1", now=time.time(), worker="w").ok
 
     done = JobResult(job_id="job-1", status=JobState.DONE, tenant="acme", priority=Priority.NORMAL,
                      text="hi", timings=Timings(finished_at=time.time()))
     assert store.finish(done).ok
 
-    assert ledger.tokens("job-1") is None and ledger.in_use() == 700
-    assert redis_client.zscore(keys.ledger + ":leases", "job-1") is None
-    assert ledger.usage().by_tenant == {"acme": 700}  # its meta entry no longer counts
+    assert redis_client.hget(keys.ledger, "job-1") is None and ledger.in_use() == 700
+    assert redis_client.zscore(keys.ledger_leases, "job-1") is None
+    assert redis_client.hkeys(keys.ledger_meta) == [b"job-2"]  # all three entries, at once
+    assert ledger.usage().by_tenant == {"acme": 700}
     assert ledger.reclaim_expired() == []  # nothing left to reclaim for it
-    assert redis_client.hkeys(keys.ledger + ":meta") == [b"job-2"]  # and its meta was swept
 
 
 class _Collect:

@@ -17,13 +17,19 @@ import transformers
 
 from kvfleet.contracts import Sampling
 from workers.engine import Engine, EngineConfig
-from workers.model import LlamaConfig, load_model
+from kvfleet.modelconfig import LlamaConfig
+from kvfleet.modelinfo import load_model_info
+from kvfleet.tokenizer import ByteTokenizer
+from workers.model import load_model
+from kernels import ops
+from kernels.contract import PagedBatch
 from workers.model.attention import AttentionMetadata
-from workers.model.loader import LoadedModel, load_tokenizer_and_config
+from workers.model.loader import LoadedModel
 from workers.model.sampling import make_generator, sample_row
-from workers.model.tokenizer import ByteTokenizer
 
 torch.set_num_threads(1)
+
+KERNELS = ops.select(EngineConfig().kernels, EngineConfig().attention)  # what the engine runs by default
 
 VOCAB = 96
 LOGITS_ATOL = 1e-4  # float32; observed differences are ~1e-6 (summation order only)
@@ -72,11 +78,13 @@ def forward_chunks(loaded: LoadedModel, tokens: list[int], chunks: list[int], bl
     for n in chunks:
         pos = list(range(done, done + n))
         meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-            context_lens=torch.tensor([done + n], dtype=torch.int32),
-            block_tables=torch.tensor([table], dtype=torch.int32),
+            batch=PagedBatch(
+                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                context_lens=torch.tensor([done + n], dtype=torch.int32),
+                block_tables=torch.tensor([table], dtype=torch.int32),
+            ),
             slot_mapping=torch.tensor([table[p // block_size] * block_size + p % block_size for p in pos]),
-            query_starts=(0, n), num_decode_seqs=int(n == 1),
+            query_starts=(0, n), num_decode_seqs=int(n == 1), kernels=KERNELS,
         )
         with torch.inference_mode():
             hidden = loaded.model(torch.tensor(tokens[done:done + n]), torch.tensor(pos), meta, kv)
@@ -196,12 +204,13 @@ def test_tokenizer_and_config_load_without_weights(tmp_path):
     save_tiny_checkpoint(tmp_path / "ckpt", tie=True)
     for f in (tmp_path / "ckpt").glob("*.safetensors"):
         f.unlink()  # the API and the scheduler count tokens on machines without the weights
-    tokenizer, config, name = load_tokenizer_and_config(str(tmp_path / "ckpt"))
-    assert (tokenizer.encode("w7"), config.num_key_value_heads, config.tie_word_embeddings, name) == ([1, 7], 2, True, "ckpt")
+    info = load_model_info(str(tmp_path / "ckpt"))
+    assert (info.encode("w7"), info.config.num_key_value_heads, info.config.tie_word_embeddings, info.name) == (
+        [1, 7], 2, True, "ckpt")
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_model(str(tmp_path / "ckpt"))
-    tokenizer, config, name = load_tokenizer_and_config("builtin:bench")
-    assert (tokenizer.vocab_size, config.max_position_embeddings, name) == (258, 4096, "builtin:bench")
+    info = load_model_info("builtin:bench")
+    assert (info.tokenizer.vocab_size, info.max_context, info.vocab_size, info.name) == (258, 4096, 258, "builtin:bench")
 
 
 def test_missing_files_and_unsupported_configs_fail_clearly(tmp_path):

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from bench.sim.baselines import StrictPriorityPolicy
+from bench.sim.simulator import ServiceModel, simulate
 from kvfleet.contracts import JobRequest, Priority
-from scheduler.baselines import StrictPriorityPolicy
 from kvfleet.settings import ClassConfig, PolicyConfig
+from kvfleet.tenancy import Tenant, Tier
 from scheduler.policy import Budget, PendingJob, Policy
-from scheduler.simulator import ServiceModel, simulate
-from scheduler.tenants import Tenant, Tier
 
 HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
 ONE_SECOND = ServiceModel(floor_s=1.0, prefill_s_per_token=0.0, decode_s_per_token=0.0)
@@ -176,7 +177,11 @@ def test_config_is_validated(changes, message):
 
 def test_pending_job_from_a_request():
     request = JobRequest(job_id="j1", tenant="acme", priority=HIGH, model="m", max_new_tokens=100,
-                         submitted_at=12.5, deadline=99.0, prompt="hello")
-    pending = PendingJob.from_request(request, prompt_tokens=3, tier=Tier.GOLD, partition=4)
+                         submitted_at=12.5, deadline=99.0, prompt_tokens=[1, 2, 3])
+    pending = PendingJob.from_request(request, tier=Tier.GOLD, partition=4)
     assert (pending.cost, pending.enqueued_at, pending.deadline, pending.partition) == (103, 12.5, 99.0, 4)
     assert (pending.job_id, pending.tenant, pending.tier, pending.priority) == ("j1", "acme", Tier.GOLD, HIGH)
+    assert pending.cost == request.cost  # one rule for what a job reserves
+    text = msgspec.structs.replace(request, prompt="hello", prompt_tokens=None)
+    with pytest.raises(ValueError, match="tokenize it first"):
+        PendingJob.from_request(text, tier=Tier.GOLD, partition=4)  # a text prompt has no cost yet

@@ -6,6 +6,7 @@ and cancelling a job."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 
@@ -14,8 +15,7 @@ import pytest
 
 from kvfleet.constants import Keys
 from kvfleet.jobstore import Admit, JobStore
-from kvfleet.contracts import Priority
-from scheduler.ledger import Ledger
+from kvfleet.contracts import JobRequest, JobState, Priority
 from tests.fleet import Fleet
 
 TENANTS = {"tenants": [
@@ -54,13 +54,26 @@ def test_over_quota_gets_429_with_a_retry_after_that_is_right(api):
     assert post(api, "key-acme-2").status_code == 202  # the same tenant's other key: 100, the bucket is empty
     refused = post(api, "key-acme-1")
     assert refused.status_code == 429 and "quota" in refused.json()["error"]
-    # 50 tokens missing at 10 a second: 5 s, as an integer ceiling.
-    assert refused.headers["Retry-After"] == "5"
+    # The bucket as the refusal left it, on the server's clock (Redis TIME): `level`
+    # tokens at `ts`, refilling at 10 a second. The same 50 tokens pass once it holds 50.
+    level, refused_at = _bucket(api, "acme")
+    ready_at = refused_at + (50 - level) / 10
+    # Retry-After is that wait as an integer ceiling (5 s when the refusal came right after the drain).
+    assert refused.headers["Retry-After"] == str(math.ceil(ready_at - refused_at))
     assert post(api, "key-globex-1").status_code == 202  # another tenant is unaffected
-    time.sleep(4.0)
-    assert post(api, "key-acme-1").status_code == 429  # not yet
-    time.sleep(1.2)
-    assert post(api, "key-acme-1").status_code == 202  # when it said
+    # Every try the server evaluates before ready_at is refused, the first one after it
+    # passes: judged by when the server says it took each try, not by how long we slept.
+    deadline = time.monotonic() + 60
+    while True:
+        response = post(api, "key-acme-1")
+        _, asked_at = _bucket(api, "acme")  # each take, refused or not, stamps the bucket
+        if response.status_code == 202:
+            assert asked_at >= ready_at - CLOCK_EPS_S, "accepted before the Retry-After"
+            break
+        assert response.status_code == 429, response.text
+        assert asked_at < ready_at + CLOCK_EPS_S, "still refused after the Retry-After"
+        assert time.monotonic() < deadline, "the bucket never refilled"
+        time.sleep(0.25)
 
 
 def test_a_job_larger_than_the_bucket_gets_413(api):
@@ -93,16 +106,20 @@ def test_a_class_backlog_over_its_bound_gets_429_and_other_classes_pass(api):
 
 
 def test_bronze_gets_503_under_overload_and_silver_does_not(api):
-    keys = Keys(api.prefix)
+    store = JobStore(api.redis, Keys(api.prefix))
     api.fake_capacity(100)
-    ledger = Ledger(api.redis, keys)
-    assert ledger.reserve("load", 95, 60.0, 100)  # 95% of the budget in use; jobs wait on Kafka
+    load = f"load-{uuid.uuid4().hex[:8]}"
+    store.create(JobRequest(job_id=load, tenant="globex", priority=Priority.NORMAL, model="builtin:tiny",
+                            max_new_tokens=90, submitted_at=time.time(), prompt_tokens=[7] * 5))
+    # 95% of the budget in use (admitted as the scheduler would); jobs wait on Kafka.
+    assert store.admit_many([Admit(load, 95, "globex", Priority.NORMAL)], capacity=100, lease_s=60,
+                            now=time.time(), by="test")[0].reserved
     try:
         response = _eventually(lambda: post(api, "key-cheap-1", max_new=8), 503)
         assert "overloaded" in response.json()["error"] and response.headers["Retry-After"] == "30"
         assert post(api, "key-globex-1", max_new=8).status_code == 202
     finally:
-        ledger.release("load")
+        store.fail(load, JobState.CANCELLED, "cancelled", "the test's load ends", now=time.time())
     assert _eventually(lambda: post(api, "key-cheap-1", max_new=8), 202).status_code == 202
 
 
@@ -113,13 +130,12 @@ def test_cancel_releases_the_reservation_and_is_tenant_checked(api):
     # Admitted as the scheduler would: its tokens are reserved.
     assert store.admit_many([Admit(job_id, 18, "globex", Priority.NORMAL)], capacity=10_000, lease_s=60,
                             now=time.time(), by="test")[0].reserved
-    ledger = Ledger(api.redis, Keys(api.prefix))
-    assert ledger.tokens(job_id) == 18
+    assert api.reserved(job_id) == 18
     url = f"{api.url}/v1/jobs/{job_id}"
     assert httpx.delete(url, headers={"X-API-Key": "key-acme-1"}).status_code == 404
     cancelled = httpx.delete(url, headers={"X-API-Key": "key-globex-1"})
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
-    assert ledger.tokens(job_id) is None
+    assert api.reserved(job_id) is None
     again = httpx.delete(url, headers={"X-API-Key": "key-globex-1"})
     assert again.status_code == 409 and "cancelled" in again.json()["error"]
     # A cancelled job is never admitted again.
@@ -127,7 +143,17 @@ def test_cancel_releases_the_reservation_and_is_tenant_checked(api):
                                 now=time.time(), by="test")[0].reserved
 
 
-def _eventually(request, status: int, timeout: float = 10.0) -> httpx.Response:
+#: The bucket stores its numbers as Lua prints them (14 digits): ~0.1 ms on today's clock.
+CLOCK_EPS_S = 0.01
+
+
+def _bucket(fleet: Fleet, tenant: str) -> tuple[float, float]:
+    """The tenant's quota bucket: tokens left, and the server time of the last take."""
+    level, ts = fleet.redis.hmget(Keys(fleet.prefix).quota(tenant), "level", "ts")
+    return float(level), float(ts)
+
+
+def _eventually(request, status: int, timeout: float = 60.0) -> httpx.Response:
     """The load readings refresh about once a second: retry until the answer changes."""
     deadline = time.monotonic() + timeout
     while True:

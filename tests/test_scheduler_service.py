@@ -20,10 +20,10 @@ from kvfleet.constants import Keys
 from kvfleet.contracts import JobRequest, JobState, Priority, encode
 from kvfleet.jobstore import Admit, JobStore
 from kvfleet.kafka import ensure_topics, make_consumer
+from kvfleet.ledger import Ledger
 from kvfleet.settings import KafkaSettings, RedisSettings, Settings
-from scheduler.config import Tenancy
-from scheduler.intake import PromptLength
-from scheduler.ledger import Ledger
+from kvfleet.tenancy import Tenancy
+from scheduler.intake import Tokenize
 from scheduler.offsets import OffsetBook
 from scheduler.service import SchedulerService
 from tests.fleet import Fleet, free_port
@@ -47,7 +47,6 @@ def test_under_contention_high_is_admitted_before_normal_before_low(make_fleet):
     port = free_port()
     fleet = make_fleet(workers=0, extra_env={"KVFLEET_SCHEDULER_METRICS_PORT": str(port)})
     fleet.fake_capacity(1000)
-    ledger = Ledger(fleet.redis, fleet.keys)
     blocker = submit(fleet, "normal", 1000)
     fleet.wait_for(lambda: admitted(fleet, [blocker]), "blocker admitted")
     jobs = [submit(fleet, p, 1000) for p in ("low", "normal", "high") for _ in range(3)]
@@ -55,7 +54,7 @@ def test_under_contention_high_is_admitted_before_normal_before_low(make_fleet):
     assert not admitted(fleet, jobs)  # none fits
     order, current = [], blocker
     for _ in jobs:  # play a worker that runs one job at a time
-        ledger.release(current)
+        fleet.finish(current)
         current = fleet.wait_for(lambda: admitted(fleet, [j for j in jobs if j not in order]), "next admission")[0]
         order.append(current)
     assert [jobs.index(j) // 3 for j in order] == [2, 2, 2, 1, 1, 1, 0, 0, 0]  # high, normal, low
@@ -81,14 +80,14 @@ def test_a_long_job_is_not_starved_by_a_stream_of_short_ones(make_fleet):
         assert time.monotonic() < deadline, "starved: short jobs kept taking the tokens it needs"
         running = [j for j in admitted(fleet, shorts) if j not in released]
         if running:
-            ledger.release(running[0])
+            fleet.finish(running[0])
             released.add(running[0])
         before = consumed(fleet, port)
         shorts.append(submit(fleet, "normal", 400))
         fleet.wait_for(lambda: consumed(fleet, port) > before, "the new short job read")
     waited = float(fleet.field(long, "admitted_at")) - float(fleet.field(long, "queued_at"))
     assert waited >= 1.0  # it fitted only once its hold began, after its reserve_after_s
-    assert ledger.tokens(long) == 900 and ledger.in_use() == 900  # the shorts waited for it
+    assert fleet.reserved(long) == 900 and ledger.in_use() == 900  # the shorts waited for it
 
 
 def test_with_the_budget_spent_consumption_pauses_and_resumes(make_fleet):
@@ -136,10 +135,10 @@ def test_a_restarted_scheduler_neither_loses_nor_reserves_twice(make_fleet):
     # The new member gets the partition once the dead one's session expires; it reads
     # `big` and the small jobs again, finds those admitted and sends them again.
     fleet.wait_for(lambda: fleet.redis.llen(tasks) == 11, "admitted jobs sent again after the restart", timeout=60)
-    assert ledger.in_use() == 1000 and all(ledger.tokens(j) == 100 for j in small)  # reserved once
+    assert ledger.in_use() == 1000 and all(fleet.reserved(j) == 100 for j in small)  # reserved once
     assert fleet.state(big) == "queued"
     for job_id in [blocker, *small]:  # they finish
-        ledger.release(job_id)
+        fleet.finish(job_id)
     fleet.wait_for(lambda: admitted(fleet, [big]), "the waiting job admitted by the new scheduler")
     fleet.wait_for(lambda: fleet.redis.llen(tasks) == 12, "its task sent")
     assert ledger.in_use() == 1000
@@ -174,23 +173,31 @@ def test_policy_knobs_and_tenants_come_from_the_environment():
                                   "KVFLEET_MAX_BUFFERED": "8"})
     config = settings.policy
     assert config.low.max_wait_s == 3.0 and config.low.share == 0.1 and config.max_buffered == 8
-    with pytest.raises(ValueError, match="low.reserve_after_s=10.0 .* KVFLEET_LOW_RESERVE_AFTER_S"):
+    with pytest.raises(ValueError, match=r"low.reserve_after_s=10.0 .*\(KVFLEET_LOW_RESERVE_AFTER_S"):
         Settings.from_env({"KVFLEET_LOW_MAX_WAIT_S": "3"})  # below the default hold
-    dev = Tenancy.from_env({})
+    dev = Tenancy.from_settings(Settings.from_env({}))
     assert not dev.configured and dev.get("anyone").share == 1.0
     env = {"KVFLEET_TENANTS": '{"tenants": [{"name": "acme", "tier": "gold", "tokens_per_minute": 60,'
                               ' "api_keys": ["key-acme-1"]}]}'}
-    assert Tenancy.from_env(env, {"key-acme-2": "acme"}).keys == {"key-acme-1": "acme", "key-acme-2": "acme"}
-    assert Tenancy.from_env(env).get("globex") is None
+
+    def tenancy(api_keys: str = "") -> Tenancy:
+        return Tenancy.from_settings(Settings.from_env({**env, "KVFLEET_API_KEYS": api_keys}))
+
+    assert tenancy("key-acme-2:acme").keys == {"key-acme-1": "acme", "key-acme-2": "acme"}
+    assert tenancy().get("globex") is None
     with pytest.raises(ValueError, match="exactly one tenant"):
-        Tenancy.from_env(env, {"key-acme-1": "globex"})
+        tenancy("key-acme-1:globex")
     with pytest.raises(ValueError, match="does not list"):
-        Tenancy.from_env(env, {"key-other": "globex"})
+        tenancy("key-other:globex")
     assert Priority.LOW in settings.api.max_backlog
 
 
 def test_admission_reserves_once_within_capacity_and_never_for_an_ended_job(redis_client, prefix):
     store, ledger = JobStore(redis_client, Keys(prefix)), Ledger(redis_client, Keys(prefix))
+
+    def reserved(job_id: str) -> Optional[bytes]:
+        return redis_client.hget(Keys(prefix).ledger, job_id)
+
     for job_id in ("a", "b", "c"):
         store.create(JobRequest(job_id=job_id, tenant="acme", priority=Priority.HIGH, model="builtin:tiny",
                                 max_new_tokens=4, submitted_at=time.time(), prompt="hi"))
@@ -208,7 +215,7 @@ def test_admission_reserves_once_within_capacity_and_never_for_an_ended_job(redi
     assert admit(("c", 30)) == [(False, False, "running")]  # a redelivered message: not reserved
     assert admit(("c", 30), revive=True) == [(True, False, "running")]  # its worker died: reserved again
     store.fail("a", JobState.CANCELLED, "cancelled", "by the client", now=time.time())
-    assert ledger.tokens("a") is None and admit(("a", 60)) == [(False, False, "cancelled")]
+    assert reserved("a") is None and admit(("a", 60)) == [(False, False, "cancelled")]
     assert ledger.in_use() == 30 and admit(("nope", 10)) == [(False, False, None)]
 
 
@@ -239,10 +246,10 @@ def test_a_redis_error_during_intake_rereads_exactly_the_records_not_yet_taken(r
     store = _FlakyStore(redis_client, Keys(prefix), fail_on="b")
     consumer = _SeekingConsumer()
     service = SchedulerService(settings, consumer, None, SimpleNamespace(store=store), None, None,
-                               Tenancy(None), PromptLength("builtin:tiny"))
+                               Tenancy(None), Tokenize("builtin:tiny"))
     topic = settings.kafka.topics[1]  # normal
     jobs = [JobRequest(job_id=j, tenant="acme", priority=Priority.NORMAL, model="builtin:tiny", max_new_tokens=4,
-                       submitted_at=time.time(), prompt="hi", prompt_len=3) for j in ("a", "b", "c")]
+                       submitted_at=time.time(), prompt="hi") for j in ("a", "b", "c")]
     store.create(jobs[0])  # "a" came through the API; "b" and "c" were produced directly
     records = [ConsumerRecord(topic, 0, -1, 10 + i, 0, 0, b"acme", encode(j), [], None, 4, 100, 0)
                for i, j in enumerate(jobs)]
@@ -258,7 +265,7 @@ def test_a_redis_error_during_intake_rereads_exactly_the_records_not_yet_taken(r
 
 def _service(settings: Settings, consumer) -> SchedulerService:
     return SchedulerService(settings, consumer, None, SimpleNamespace(store=None), None, None, Tenancy(None),
-                            PromptLength("builtin:tiny"))
+                            Tokenize("builtin:tiny"))
 
 
 def test_a_rebalance_that_a_short_poll_interrupts_still_ends_in_an_assignment(kafka_bootstrap, prefix):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from bench.sim.baselines import FifoPolicy, StrictPriorityPolicy
+from bench.sim.simulator import Phase, Workload, make_jobs, simulate
 from kvfleet.contracts import Priority
-from scheduler.baselines import FifoPolicy, StrictPriorityPolicy
+from kvfleet.tenancy import Tier
 from scheduler.policy import Policy
-from scheduler.simulator import Phase, Workload, make_jobs, simulate
-from scheduler.tenants import Tier
 
 # A short burst on a small fleet keeps each run well under a second.
 SMALL = Workload(seed=7, capacity_tokens=32_768, phases=(Phase(0, 10, 0.5), Phase(10, 15, 5.0), Phase(15, 30, 0.5)))

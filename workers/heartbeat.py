@@ -1,4 +1,4 @@
-"""Publishes this worker's KV capacity and load to Redis, under a key that expires.
+"""Publishes this worker's KV capacity to Redis, under a key that expires.
 
 The scheduler sums the live heartbeats to know how many KV tokens the fleet can hold.
 The key's TTL is three write intervals, so one slow write does not drop the worker,

@@ -32,12 +32,14 @@ class PrefixSharing:
 
     def prepare(self, job_id: str, prompt: Sequence[int]) -> PrefixSource | None:
         """Make the prompt's prefix loadable; None when there was nothing to do."""
-        hashes = self.engine.prefix_hashes(prompt)
+        blocks = self.engine.block_manager
+        hashes = blocks.prefix_hashes(prompt)
         if len(hashes) < self.min_blocks:
             return None
-        # A hint read off the step thread: if it says hot, the admission will find the
-        # blocks (or, if they were evicted just now, recompute them; still correct).
-        if len(self.engine.cached_block_ids(hashes)) == len(hashes):
+        # A hint read off the step thread (see BlockManager.cached_block_ids): if it says
+        # hot, the admission will find the blocks (or, if they were evicted just now,
+        # recompute them; still correct).
+        if len(blocks.cached_block_ids(hashes)) == len(hashes):
             return None
         source = self.tier.ensure_prefix(hashes, lambda: self._prefill_and_store(job_id, prompt, hashes))
         log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes), "source": source.value})
@@ -51,7 +53,7 @@ class PrefixSharing:
         self.tier.write(items)
 
     def _copy(self, hashes: list[str]) -> list:
-        held = self.engine.cached_block_ids(hashes)  # exact here: we are on the step thread
+        held = self.engine.block_manager.cached_block_ids(hashes)  # exact here: we are on the step thread
         return self.tier.copy_out(hashes[:len(held)], held)
 
 

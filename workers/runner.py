@@ -43,8 +43,8 @@ from kvfleet.contracts import (
     request_from_builtins,
 )
 from kvfleet.jobstore import JobStore
+from kvfleet.ledger import Ledger
 from kvstore.lock import Lease
-from scheduler.ledger import Ledger
 from workers.engine import RequestCancelled
 
 log = logging.getLogger("kvfleet.worker")
@@ -206,6 +206,8 @@ class JobRunner:
         self.watch.add(job.job_id)
         log.info("running", extra={"job_id": job.job_id, "priority": job.priority.value, "tenant": job.tenant})
         try:
+            # The API (or, for a job produced straight to Kafka, the scheduler) tokenized the
+            # prompt; only a task sent by a scheduler from before that carries text.
             prompt = job.prompt_tokens if job.prompt_tokens is not None else self.tokenizer.encode(job.prompt or "")
             completion = self.engine.generate(job.job_id, prompt, job.max_new_tokens, job.sampling,
                                               priority_rank=job.priority.rank, stop=tuple(job.sampling.stop))

@@ -18,11 +18,10 @@ import redis
 from prometheus_client import start_http_server
 
 from kvfleet import constants, logs
+from kvfleet.celery_app import make_celery
 from kvfleet.contracts import WorkerHeartbeat
 from kvfleet.jobstore import JobStore
-from kvfleet.logs import now
 from kvfleet.settings import Settings
-from workers.celery_app import make_celery
 from kvstore.blob import Quant
 from kvstore.coldtier import ColdTier, connect
 from kvstore.hooks import ColdTierHooks
@@ -39,8 +38,8 @@ log = logging.getLogger("kvfleet.worker")
 def cold_tier(settings: Settings, engine: Engine) -> ColdTier:
     c = settings.cold_tier
     return ColdTier(connect(settings.redis.cache_url), settings.redis.keys, engine.block_manager.fingerprint,
-                    engine.kv_cache, quant=Quant(c.quant), ttl_s=c.ttl_s, grace_s=c.grace_s,
-                    spill_max_bytes=c.spill_max_bytes,
+                    engine.kv_cache, kernels=engine.kernels, quant=Quant(c.quant), ttl_s=c.ttl_s,
+                    grace_s=c.grace_s, spill_max_bytes=c.spill_max_bytes,
                     # Rebuild locks and their wake-ups live with the other locks, on the
                     # state instance: the cache instance may evict keys, locks included.
                     lock_client=redis.Redis.from_url(settings.redis.url))
@@ -70,10 +69,7 @@ def main() -> None:
     runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id)
 
     def snapshot() -> WorkerHeartbeat:
-        s = engine.stats()
-        return WorkerHeartbeat(worker_id=worker_id, model=model.name, fingerprint=model.fingerprint,
-                               capacity_tokens=s.capacity_tokens, tokens_in_use=s.tokens_in_use,
-                               running=s.running, waiting=s.waiting, ts=now())
+        return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens)
 
     heartbeat = Heartbeat(client, settings.redis.keys, worker_id, snapshot)
     heartbeat.start()

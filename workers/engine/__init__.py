@@ -1,10 +1,13 @@
 """Continuous-batching inference over a paged KV cache with prefix caching.
 
-Dependencies point one way: sequence <- block_manager <- scheduler <- engine -> model_runner.
+Dependencies point one way: sequence <- block_manager <- scheduler <- loop (the step
+thread; stops, model_runner) <- engine (the front end other threads call); the inbox is
+where the two threads meet.
 """
 
 from kvfleet.settings import EngineConfig
-from workers.engine.engine import Engine, EngineStats, RequestHandle
+from workers.engine.engine import Engine, RequestHandle
+from workers.engine.stats import EngineStats
 from workers.engine.errors import (
     EngineError, EngineStopped, InvalidRequest, PromptTooLong, RequestCancelled, StepFailed,
 )

@@ -133,6 +133,38 @@ class BlockManager:
                 self._register(seq.block_table[i], hashes[i], hashes[i - 1] if i else None,
                                tuple(seq.block_tokens(i, self.block_size)))
 
+    # --- lookups for the shared-prefix step (workers/prefix.py) ------------------
+
+    def prefix_hashes(self, prompt_tokens: Seq[int]) -> list[str]:
+        """Chained hashes of the prompt's full blocks that a cache could serve (all but
+        the block holding the last token, whose logits are always computed).
+
+        Any thread: reads only block_size and fingerprint, fixed at construction.
+        """
+        bs = self.block_size
+        hashes: list[str] = []
+        for i in range((len(prompt_tokens) - 1) // bs):
+            hashes.append(block_hash(hashes[-1] if hashes else None, prompt_tokens[i * bs:(i + 1) * bs],
+                                     self.fingerprint))
+        return hashes
+
+    def cached_block_ids(self, hashes: Seq[str]) -> list[int]:
+        """Pool block ids of the leading run of `hashes` that the pool holds.
+
+        Exact on the step thread (in `Engine.call_soon`). From another thread it is a
+        hint that may be stale by the time it returns, but never a failure or a torn
+        read: it only calls `dict.get` on `hash_to_block` while the step thread adds and
+        removes entries, and each such call is atomic in CPython (the GIL; free-threaded
+        builds lock each dict). Do not iterate the pool's dicts from another thread.
+        """
+        found: list[int] = []
+        for h in hashes:
+            bid = self.hash_to_block.get(h)
+            if bid is None:
+                break
+            found.append(bid)
+        return found
+
     # --- internals -------------------------------------------------------------
 
     def _hashes(self, seq: Sequence) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.contract import PagedBatch
+from kernels.ops import Kernels
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 from workers.model.attention import AttentionMetadata
@@ -21,12 +23,13 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kernels: Kernels) -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
+        self.kernels = kernels
         c = loaded.config
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)  # (NB, BS, Hkv, D)
         self.kv_cache: KVCache = [
             (torch.zeros(shape, device=loaded.device, dtype=loaded.dtype),
              torch.zeros(shape, device=loaded.device, dtype=loaded.dtype))
@@ -62,12 +65,15 @@ class ModelRunner:
         # over-read by a kernel inside the pool.
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in order]
         meta = AttentionMetadata(
-            cu_seqlens_q=self._tensor(starts, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),  # (B, width)
-            slot_mapping=self._tensor(slots, torch.int64),
+            batch=PagedBatch(
+                cu_seqlens_q=self._tensor(starts, torch.int32),  # (B+1,)
+                context_lens=self._tensor(context_lens, torch.int32),  # (B,)
+                block_tables=self._tensor(tables, torch.int32),  # (B, width)
+            ),
+            slot_mapping=self._tensor(slots, torch.int64),  # (T,)
             query_starts=tuple(starts),
             num_decode_seqs=sum(1 for _, n in order if n == 1),
+            kernels=self.kernels,
         )
         with torch.inference_mode():
             hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),

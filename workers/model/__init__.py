@@ -1,6 +1,6 @@
-"""The model a worker serves: Llama over a paged KV cache, its tokenizer, loading, sampling."""
+"""The model a worker serves: Llama over a paged KV cache, loading, sampling (its config
+and tokenizer are the core's: kvfleet/modelconfig.py, kvfleet/tokenizer.py)."""
 
-from workers.model.config import LlamaConfig
 from workers.model.loader import LoadedModel, load_model
 
-__all__ = ["LlamaConfig", "LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_model"]

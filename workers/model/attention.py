@@ -3,7 +3,7 @@
 The model sees one flat token batch per step: sequence b owns query rows
 `[cu_seqlens_q[b], cu_seqlens_q[b+1])`, and `context_lens[b]` counts its tokens in the
 cache after this step's tokens are stored. One call covers prefill, prefill over a
-cached prefix, chunked prefill and decode (see kernels/reference.py for the contract).
+cached prefix, chunked prefill and decode (kernels/contract.py states the contract).
 """
 
 from __future__ import annotations
@@ -12,19 +12,22 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops
+from kernels.contract import PagedBatch
+from kernels.ops import Kernels
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    cu_seqlens_q: torch.Tensor  # (B+1,) int32
-    context_lens: torch.Tensor  # (B,) int32
-    block_tables: torch.Tensor  # (B, max_blocks) int32
+    """What every layer's attention needs of one step, besides the tensors it attends over."""
+
+    batch: PagedBatch  # (B+1,) cu_seqlens_q, (B,) context_lens, (B, max_blocks) block_tables; int32
     slot_mapping: torch.Tensor  # (T,) int64; -1 = do not store
     #: cu_seqlens_q on the host, so slicing needs no device sync.
     query_starts: tuple[int, ...]
     #: The first sequences have one query row each (decodes); prefills follow.
     num_decode_seqs: int
+    #: The engine's choice of implementations (EngineConfig.kernels / .attention).
+    kernels: Kernels
 
     @property
     def num_seqs(self) -> int:
@@ -46,29 +49,12 @@ def paged_attention(
     the batch's longest (kernels.gather_sdpa) would otherwise pad every decode row of a
     mixed batch to the length of its longest prefill chunk.
     """
-    ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    meta.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     d, b = meta.num_decode_seqs, meta.num_seqs
     if d in (0, b):
-        return _paged(q, k_cache, v_cache, meta, 0, b, scale)
-    split = meta.query_starts[d]
-    out = torch.empty_like(q)
-    out[:split] = _paged(q, k_cache, v_cache, meta, 0, d, scale)
-    out[split:] = _paged(q, k_cache, v_cache, meta, d, b, scale)
+        return meta.kernels.paged_attention(q, k_cache, v_cache, meta.batch, scale)
+    split = meta.query_starts[d]  # decodes are rows [0, split), prefills [split, T)
+    out = torch.empty_like(q)  # (T, Hq, D)
+    out[:split] = meta.kernels.paged_attention(q[:split], k_cache, v_cache, meta.batch.seqs(0, d), scale)
+    out[split:] = meta.kernels.paged_attention(q[split:], k_cache, v_cache, meta.batch.seqs(d, b), scale)
     return out
-
-
-def _paged(
-    q: torch.Tensor,  # (T, Hq, D)
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    first: int,
-    last: int,
-    scale: float,
-) -> torch.Tensor:  # (rows of sequences [first, last), Hq, D)
-    """kernels.ops.paged_attention over sequences [first, last), whose rows are contiguous."""
-    lo, hi = meta.query_starts[first], meta.query_starts[last]
-    return ops.paged_attention(
-        q[lo:hi], k_cache, v_cache, meta.cu_seqlens_q[first:last + 1] - lo,
-        meta.context_lens[first:last], meta.block_tables[first:last], scale,
-    )

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.attention import AttentionMetadata, paged_attention
-from workers.model.config import LlamaConfig
+from kvfleet.modelconfig import LlamaConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (NB, BS, Hkv, D) each
 
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         # In float32 whatever the model dtype, as HF does: the mean of squares of
         # bf16 values loses too much.
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (T, H) * (T, 1)
         return self.weight * xf.to(x.dtype)
 
 
@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))  # (D/2,)
         freqs = torch.outer(torch.arange(max_positions, device="cpu").float(), inv_freq)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D): HF's rotate_half layout
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -58,13 +58,13 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,  # (T,)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D): broadcast over heads
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)  # (..., D/2) each
+    return torch.cat((-x2, x1), dim=-1)  # (..., D)
 
 
 class LlamaAttention(nn.Module):

@@ -3,13 +3,13 @@
 Either way the result carries a `fingerprint`: a hash of the config and of every weight
 byte. Cached KV is only valid for the exact weights that computed it, so the fingerprint
 is part of every block hash and every cold-tier key; two workers share KV exactly when
-their fingerprints match.
+their fingerprints match. The name, config and tokenizer come from the core's
+`kvfleet.modelinfo`, which the API and the scheduler read without the weights.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,25 +17,11 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from workers.model.config import LlamaConfig
+from kvfleet.modelconfig import LlamaConfig
+from kvfleet.modelinfo import BUILTIN_PREFIX, load_model_info
+from kvfleet.tokenizer import Tokenizer
 from workers.model.llama import LlamaForCausalLM
-from workers.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_CONFIGS: dict[str, LlamaConfig] = {
-    # Small enough that a test's forward pass takes milliseconds on one CPU core.
-    "tiny": LlamaConfig(
-        vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=1024, bos_token_id=256, eos_token_id=(257,),
-    ),
-    # Big enough that matrix work, not Python, dominates a step: what benchmarks need.
-    "bench": LlamaConfig(
-        vocab_size=258, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=4096, bos_token_id=256, eos_token_id=(257,),
-    ),
-}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,7 +49,8 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "auto") -> Loa
     else:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(_DTYPES)}")
 
-    tokenizer, config, name = load_tokenizer_and_config(source)
+    info = load_model_info(source)
+    tokenizer, config, name = info.tokenizer, info.config, info.name
     if source.startswith(BUILTIN_PREFIX):
         state, fingerprint = _builtin_weights(config)
     else:
@@ -75,26 +62,6 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "auto") -> Loa
         raise ValueError(f"weights of {source!r} do not fit a Llama with this config.json: {e}") from None
     model.to(device=dev, dtype=dt).eval().requires_grad_(False)
     return LoadedModel(model, tokenizer, config, name, dev, dt, fingerprint, config.max_position_embeddings)
-
-
-def load_tokenizer_and_config(source: str) -> tuple[Tokenizer, LlamaConfig, str]:
-    """What counting tokens and checking limits needs (the API, the scheduler), without
-    reading any weights. Same errors as `load_model` for a missing or unsupported source."""
-    if source.startswith(BUILTIN_PREFIX):
-        size = source.removeprefix(BUILTIN_PREFIX)
-        if size not in BUILTIN_CONFIGS:
-            raise ValueError(f"unknown built-in model {source!r}; choose one of "
-                             f"{[BUILTIN_PREFIX + k for k in sorted(BUILTIN_CONFIGS)]}")
-        return ByteTokenizer(), BUILTIN_CONFIGS[size], source
-    path = Path(source)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(
-            f"{config_file} not found: a model source is 'builtin:tiny', 'builtin:bench' or a "
-            "Hugging Face checkpoint directory with config.json, *.safetensors and tokenizer.json"
-        )
-    config = LlamaConfig.from_hf_dict(json.loads(config_file.read_text()))
-    return _checkpoint_tokenizer(path, config), config, path.resolve().name
 
 
 def _builtin_weights(config: LlamaConfig) -> tuple[dict[str, torch.Tensor], str]:
@@ -146,36 +113,3 @@ def _checkpoint_weights(path: Path, config: LlamaConfig) -> tuple[dict[str, torc
 def _file_digest(path: Path) -> bytes:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=32)).digest()
-
-
-def _checkpoint_tokenizer(path: Path, config: LlamaConfig) -> HFTokenizer:
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise FileNotFoundError(f"{tokenizer_file} not found: the checkpoint must ship a `tokenizers` tokenizer.json")
-    tokenizer = HFTokenizer(
-        tokenizer_file,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id[0] if config.eos_token_id else None,
-    )
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
-            f"tokenizer.json has {tokenizer.vocab_size} tokens but the model's vocab_size is {config.vocab_size}"
-        )
-    return tokenizer
-
-
-def load_tokenizer_and_config(source: str) -> tuple[Tokenizer, LlamaConfig, str]:
-    """The tokenizer, config and client-facing name of a model, without its weights:
-    what the API needs to validate prompts against the served model."""
-    if source.startswith(BUILTIN_PREFIX):
-        size = source.removeprefix(BUILTIN_PREFIX)
-        if size not in BUILTIN_CONFIGS:
-            raise ValueError(f"unknown built-in model {source!r}; choose one of {sorted(BUILTIN_CONFIGS)}")
-        return ByteTokenizer(), BUILTIN_CONFIGS[size], source
-    path = Path(source)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} not found: a model source is 'builtin:tiny', 'builtin:bench' "
-                                "or a Hugging Face checkpoint directory")
-    config = LlamaConfig.from_hf_dict(json.loads(config_file.read_text()))
-    return _checkpoint_tokenizer(path, config), config, path.resolve().name

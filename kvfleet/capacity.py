@@ -4,7 +4,7 @@ Each worker writes a `kvfleet.contracts.WorkerHeartbeat` (JSON) to
 `{prefix}:worker:{worker_id}` every third of WORKER_HEARTBEAT_TTL_S with that TTL
 (`workers/heartbeat.py` through `kvfleet/registry.py`), so a worker that stops
 heartbeating (crashed, partitioned, stopped) drops out of the sum within the TTL, with
-no cleanup needed.
+no cleanup needed. The scheduler budgets with it, the API reads it for its load check.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from scheduler.tenants import DEFAULT_TENANT, TenantDirectory, Tier
+from kvfleet.settings import Settings
+from kvfleet.tenancy import Tenancy, Tier
 
 CONFIG = {"tenants": [
     {"name": "acme", "tier": "gold", "tokens_per_minute": 600_000, "share": 0.25, "api_keys": ["ak-acme-0001"]},
@@ -15,26 +16,38 @@ CONFIG = {"tenants": [
 ]}
 
 
+def tenancy(**env: str) -> Tenancy:
+    return Tenancy.from_settings(Settings.from_env({f"KVFLEET_{k}": v for k, v in env.items()}))
+
+
 def test_parses_tiers_quotas_and_keys():
-    d = TenantDirectory.from_json(json.dumps(CONFIG))
-    assert d["acme"].tier is Tier.GOLD and d["acme"].share == 0.25
-    assert d.for_api_key("ak-globex-02").name == "globex" and d.for_api_key("nope") is None
-    assert d["globex"].bucket_tokens == 60_000  # default bucket: one minute's worth
-    assert d["initech"].bucket_tokens == 1_000 and d["initech"].refill_per_s == 100.0
-    assert d.requires_api_keys
+    t = tenancy(TENANTS=json.dumps(CONFIG))
+    assert t.configured and t.get("acme").tier is Tier.GOLD and t.get("acme").share == 0.25
+    assert t.keys == {"ak-acme-0001": "acme", "ak-globex-01": "globex", "ak-globex-02": "globex"}
+    assert t.get("globex").bucket_tokens == 60_000  # default bucket: one minute's worth
+    assert t.get("initech").bucket_tokens == 1_000 and t.get("initech").refill_per_s == 100.0
+    assert t.get("nobody") is None
 
 
 def test_reads_a_file_named_with_at(tmp_path):
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps(CONFIG))
-    assert "initech" in TenantDirectory.from_env({"KVFLEET_TENANTS": f"@{path}"})
+    assert "initech" in tenancy(TENANTS=f"@{path}").tenants
     with pytest.raises(ValueError, match="no such file"):
-        TenantDirectory.from_env({"KVFLEET_TENANTS": f"@{tmp_path}/missing.json"})
+        tenancy(TENANTS=f"@{tmp_path}/missing.json")
 
 
-def test_default_is_one_open_tenant():
-    d = TenantDirectory.from_env({})
-    assert list(d.tenants) == [DEFAULT_TENANT] and not d.requires_api_keys
+def test_without_tenants_any_name_is_an_open_tenant():
+    dev = tenancy()
+    assert not dev.configured and not dev.keys
+    anyone = dev.get("anyone")
+    assert anyone.tier is Tier.SILVER and anyone.share == 1.0 and not list(dev.tenants)
+
+
+def test_older_api_keys_join_the_tenants_own():
+    t = tenancy(TENANTS=json.dumps(CONFIG), API_KEYS="ak-acme-0002:acme")
+    assert t.keys["ak-acme-0002"] == "acme" and t.keys["ak-acme-0001"] == "acme"
+    assert tenancy(API_KEYS="k1:anyone").keys == {"k1": "anyone"}  # development: any name
 
 
 def _with(**changes) -> str:
@@ -54,4 +67,4 @@ def _with(**changes) -> str:
 ])
 def test_bad_configuration_says_what_to_fix(raw, message):
     with pytest.raises(ValueError, match=message):
-        TenantDirectory.from_json(raw)
+        Tenancy.from_json(raw)

@@ -22,7 +22,7 @@ from typing import Optional
 
 from kvfleet.contracts import Priority
 from scheduler.policy import Budget, Partition, PendingJob, Policy
-from scheduler.tenants import Tier
+from kvfleet.tenancy import Tier
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 `{prefix}:quota:{tenant}` is a hash {level, ts}: the tokens left at time `ts`. A take
 refills the bucket for the time since `ts` (up to its size), then takes all the tokens
-asked for or none, in one Lua script, so every API and scheduler replica shares one
-bucket per tenant and concurrent takes can never overdraw it.
+asked for or none, in one Lua script, so every API replica shares one bucket per tenant
+and concurrent takes can never overdraw it.
 
 The API charges a job's cost (prompt + max_new_tokens) once, at submission; over quota
 it answers 429 with `Retry-After` = the time the bucket needs to refill the deficit.
@@ -17,15 +17,13 @@ from typing import NamedTuple, Optional
 import redis
 
 from kvfleet.constants import Keys
-from scheduler.tenants import TenantDirectory
+from kvfleet.lua import REDIS_NOW, now_arg
+from kvfleet.tenancy import Tenant
 
 # KEYS: bucket. ARGV: tokens, size, refill per second, now ('' = Redis time).
 # Returns {1|0, retry_after seconds as a string (Lua numbers would be cut to integers)}.
-_TAKE = """
-local now
-if ARGV[4] ~= '' then now = tonumber(ARGV[4]) else
-  local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-end
+_TAKE = REDIS_NOW + """
+local now = redis_now(ARGV[4])
 local want, size, rate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local state = redis.call('HMGET', KEYS[1], 'level', 'ts')
 local level, ts = tonumber(state[1]), tonumber(state[2])
@@ -54,21 +52,19 @@ class Take(NamedTuple):
 
 
 class Quotas:
-    def __init__(self, client: redis.Redis, keys: Keys, tenants: TenantDirectory) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client = client
         self.keys = keys
-        self.tenants = tenants
         self._take = client.register_script(_TAKE)
 
-    def try_take(self, tenant: str, tokens: int, now: Optional[float] = None) -> Take:
+    def try_take(self, tenant: Tenant, tokens: int, now: Optional[float] = None) -> Take:
         """Take `tokens` from the tenant's bucket, all or nothing."""
-        config = self.tenants[tenant]
         if tokens <= 0:
             raise ValueError(f"tokens must be > 0, got {tokens}")
-        if tokens > config.bucket_tokens:
+        if tokens > tenant.bucket_tokens:
             return Take(False, math.inf)
         ok, retry = self._take(
-            keys=[self.keys.quota(tenant)],
-            args=[tokens, config.bucket_tokens, repr(config.refill_per_s), "" if now is None else repr(now)],
+            keys=[self.keys.quota(tenant.name)],
+            args=[tokens, tenant.bucket_tokens, repr(tenant.refill_per_s), now_arg(now)],
         )
         return Take(bool(ok), float(retry))

@@ -1,4 +1,5 @@
-"""The shape of a Llama model: what `llama.py` builds and `loader.py` reads from config.json."""
+"""The shape of a Llama model: what `workers/model/llama.py` builds, read from a checkpoint's
+config.json (kvfleet/modelinfo.py) or one of the built-in models."""
 
 from __future__ import annotations
 

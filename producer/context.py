@@ -1,0 +1,66 @@
+"""What every route needs, built once by `create_app` and kept on `app.state.ctx`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import redis
+import redis.asyncio as aredis
+from fastapi import Request
+
+from kvfleet.contracts import JobResult
+from kvfleet.jobstore import JobStore, result_from_hash
+from kvfleet.modelinfo import ModelInfo
+from kvfleet.settings import Settings
+from kvfleet.tenancy import Tenancy, Tenant
+from producer.admission import Gate
+from producer.auth import resolve_tenant
+from producer.pressure import Pressure
+from producer.publisher import Publisher
+
+
+@dataclass
+class ApiContext:
+    settings: Settings
+    sync_redis: redis.Redis  # for the blocking components, run on worker threads
+    async_redis: aredis.Redis  # for reads on the event loop
+    store: JobStore
+    publisher: Publisher
+    model: ModelInfo
+    tenancy: Tenancy
+    pressure: Pressure
+    gate: Gate
+
+    def tenant(self, headers: Mapping[str, str], body_tenant: Optional[str] = None) -> Tenant:
+        """The caller's tenant (raises Unauthorized / Forbidden)."""
+        return resolve_tenant(self.tenancy, {k.lower(): v for k, v in headers.items()}, body_tenant,
+                              default_tenant=self.settings.api.default_tenant)
+
+    async def read(self, job_id: str) -> Optional[JobResult]:
+        return result_from_hash(job_id, await self.async_redis.hgetall(self.settings.redis.keys.job(job_id)))
+
+    async def wait_terminal(self, job_id: str, timeout: float) -> Optional[JobResult]:
+        """The job once terminal, or as it is after `timeout` seconds (woken by the
+        job's pub/sub channel, which every state change publishes to)."""
+        pubsub = self.async_redis.pubsub()
+        await pubsub.subscribe(self.settings.redis.keys.job_events(job_id))
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                # Read after subscribing: a change between our first read and the
+                # subscription would otherwise be missed until the timeout.
+                result = await self.read(job_id)
+                remaining = deadline - time.monotonic()
+                if result is None or result.status.terminal or remaining <= 0:
+                    return result
+                # Capped at 1 s so a lost notification costs at most a second.
+                await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(remaining, 1.0))
+        finally:
+            await pubsub.unsubscribe()
+            await pubsub.aclose()
+
+
+def context(request: Request) -> ApiContext:
+    return request.app.state.ctx

@@ -1,0 +1,176 @@
+"""The step loop: one thread that owns the scheduler, the block manager, the sequences and
+the model, and steps them while there is work.
+
+    until the inbox says stop (sleeping in it while idle):
+        admit new requests, fail cancelled ones, run calls     _admit
+        schedule → run the model → postprocess                 _step
+        stop strings, first-token and per-token times          _after_step
+        resolve what finished; publish the stats snapshot
+
+A step that raises (the model, a block hook) fails the requests in flight and the loop
+goes on; however the loop ends, every request still unresolved fails with EngineStopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvfleet.contracts import Completion
+from kvfleet.tokenizer import Tokenizer
+from workers.engine import metrics
+from workers.engine.errors import EngineStopped, RequestCancelled, StepFailed
+from workers.engine.inbox import Inbox, Work
+from workers.engine.model_runner import ModelRunner
+from workers.engine.scheduler import ScheduledBatch, Scheduler
+from workers.engine.sequence import Sequence
+from workers.engine.stats import EngineStats
+from workers.engine.stops import StopWatch, cut_at_stop
+
+log = logging.getLogger(__name__)
+
+
+class StepLoop:
+    def __init__(self, inbox: Inbox, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer) -> None:
+        self.inbox = inbox
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self._watches: dict[str, StopWatch] = {}  # request id -> its stop strings, for requests that have some
+        self._steps = self._tokens_computed = self._generated = self._last_batch = self._max_batch = 0
+        self._published_queries = self._published_hits = 0
+        #: Replaced, never changed, after every step: any thread may read it.
+        self.stats: EngineStats = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = self.scheduler.is_idle
+                if idle:
+                    self._publish_stats()  # cancellations may have freed blocks since the last step
+                work = self.inbox.take(idle=idle)
+                if work is None:
+                    break
+                self._admit(work)
+                try:
+                    self._step()
+                except Exception as e:  # the model or a hook failed: fail what is in flight, keep serving
+                    self._fail_in_flight(e)
+        finally:  # however the loop ends, no caller is left waiting
+            log.info("engine loop stopped")
+            pending, calls = self.inbox.close()
+            self._fail(pending, EngineStopped("the engine shut down before the request finished"))
+            for _, future in calls:
+                future.set_exception(EngineStopped("the engine shut down before the call ran"))
+
+    def _admit(self, work: Work) -> None:
+        for seq in work.new:
+            self.scheduler.add(seq)
+            if seq.stop:
+                self._watches[seq.request_id] = StopWatch(seq.stop, self.tokenizer, start=seq.num_prompt_tokens)
+        self._fail(work.cancelled, RequestCancelled("cancelled"))
+        for fn, future in work.calls:
+            try:
+                future.set_result(fn())
+            except Exception as e:  # the caller's error, delivered to the caller
+                future.set_exception(e)
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch.seqs:  # empty only when the one running sequence preempted itself
+            sampled = self.runner.run(batch)
+            finished = self.scheduler.postprocess(batch, sampled)
+            self._after_step(batch, sampled, finished)
+        self._publish_stats()
+
+    def _after_step(self, batch: ScheduledBatch, sampled: list[int | None], finished: list[Sequence]) -> None:
+        now = time.time()
+        new_tokens = 0
+        for seq, token in zip(batch.seqs, sampled):
+            if token is None:
+                continue
+            new_tokens += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                metrics.TIME_TO_FIRST_TOKEN.observe(now - seq.submitted_at)
+            watch = self._watches.get(seq.request_id)
+            if watch is not None and not seq.is_finished and watch.update(seq.token_ids):
+                self.scheduler.finish(seq, "stop")
+                finished.append(seq)
+        for seq in finished:
+            seq.finished_at = now
+            if seq.num_completion_tokens > 1:
+                metrics.TIME_PER_OUTPUT_TOKEN.observe((now - seq.first_token_at) / (seq.num_completion_tokens - 1))
+            self._resolve(seq, completion=self._completion(seq))
+        self._steps += 1
+        self._tokens_computed += batch.num_tokens
+        self._generated += new_tokens
+        self._last_batch = len(batch.seqs)
+        metrics.BATCH_SIZE.observe(self._last_batch)
+        self._max_batch = max(self._max_batch, self._last_batch)
+        metrics.GENERATED_TOKENS.inc(new_tokens)
+
+    def _completion(self, seq: Sequence) -> Completion:
+        # The whole completion decoded once, at the end: the stop string (wherever it ended
+        # up, also when EOS or length ended the request first) and what follows it are
+        # cut from the text; the tokens stay.
+        text = self.tokenizer.decode(seq.completion_token_ids)
+        cut = cut_at_stop(text, seq.stop) if seq.stop else None
+        text, reason = (text, seq.finish_reason) if cut is None else (cut, "stop")
+        return Completion(text=text, tokens=seq.completion_token_ids, finish_reason=reason,
+                          prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+                          started_at=seq.started_at, first_token_at=seq.first_token_at,
+                          finished_at=seq.finished_at)
+
+    def _fail_in_flight(self, cause: Exception) -> None:
+        """Every request the scheduler has taken, wherever the failed step left it."""
+        seqs = self.inbox.taken()
+        log.error("engine step failed; failing %d requests", len(seqs), exc_info=cause)
+        error = StepFailed(f"engine step failed: {cause!r}")
+        error.__cause__ = cause
+        self._fail(seqs, error)
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> None:
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "aborted")
+            self._resolve(seq, error=error)
+
+    def _resolve(self, seq: Sequence, *, completion: Completion | None = None, error: Exception | None = None) -> None:
+        self._watches.pop(seq.request_id, None)
+        self.inbox.resolve(seq, completion=completion, error=error)
+
+    def _publish_stats(self) -> None:
+        s = self.stats = self._snapshot()
+        metrics.RUNNING_SEQUENCES.set(s.running)
+        metrics.WAITING_SEQUENCES.set(s.waiting)
+        metrics.KV_BLOCKS_USED.set(s.blocks_used)
+        metrics.KV_BLOCKS_FREE.set(s.blocks_free)
+        metrics.PREFIX_CACHE_QUERIES.inc(s.prefix_cache_queries - self._published_queries)
+        metrics.PREFIX_CACHE_HITS.inc(s.prefix_cache_hits - self._published_hits)
+        self._published_queries, self._published_hits = s.prefix_cache_queries, s.prefix_cache_hits
+
+    def _snapshot(self) -> EngineStats:
+        bm, sch = self.block_manager, self.scheduler
+        return EngineStats(
+            running=len(sch.running), waiting=len(sch.waiting),
+            blocks_total=bm.num_blocks, blocks_used=bm.num_blocks - bm.num_free_blocks,
+            blocks_free=bm.num_free_blocks, block_size=bm.block_size,
+            capacity_tokens=bm.num_blocks * bm.block_size,
+            tokens_in_use=sum(s.num_tokens for s in sch.running),
+            prefix_cache_queries=bm.cache_queries, prefix_cache_hits=bm.cache_hits,
+            outside_cache_hits=bm.outside_hits,
+            prompt_tokens_computed=sch.prompt_tokens_computed, prompt_tokens_cached=sch.prompt_tokens_cached,
+            tokens_computed=self._tokens_computed, generated_tokens=self._generated,
+            preemptions=sch.num_preemptions, steps=self._steps,
+            last_batch_size=self._last_batch, max_batch_size=self._max_batch,
+        )
