@@ -26,3 +26,4 @@ IN_USE = Gauge("kvfleet_scheduler_budget_in_use_tokens", "Tokens reserved in the
 LOOP_ERRORS = Counter("kvfleet_scheduler_loop_errors", "Loop iterations that failed (Redis, Kafka) and were retried")
 ASSIGNED = Gauge("kvfleet_scheduler_assigned_partitions", "Partitions this replica owns (0 while it waits for a rebalance)")
 REJOINS = Counter("kvfleet_scheduler_rejoins", "Times the membership watchdog rejoined the consumer group")
+HOLDING = Gauge("kvfleet_scheduler_holding", "1 while the budget is held for a waiting job of this class", ["priority"])

@@ -101,9 +101,7 @@ class Decision:
     expire: tuple[Verdict, ...] = ()
     reject: tuple[Verdict, ...] = ()
     shed: tuple[Verdict, ...] = ()
-    pause: frozenset[Partition] = frozenset()  # partitions to pause now
-    resume: frozenset[Partition] = frozenset()  # partitions to resume now
-    #: The job the budget is being held for, if any (for logs and metrics).
+    #: The job the budget is being held for, if any (the `holding` gauge shows its class).
     holding: Optional[PendingJob] = None
 
 
@@ -175,15 +173,13 @@ class Policy:
         ids = {j.job_id for j in admitted}
         self._take(lambda j: j.job_id in ids)
         shed = self._shed(now)
-        pause, resume = self._backpressure()
+        self._backpressure()
         return Decision(
             admit=tuple(admitted),
             expire=tuple(Verdict(j, "deadline_passed", f"deadline passed {now - j.deadline:.1f} s before admission")
                          for j in expired),
             reject=rejected,
             shed=shed,
-            pause=pause,
-            resume=resume,
             holding=holding,
         )
 
@@ -279,12 +275,10 @@ class Policy:
             self._buffer[p] = keep
         return taken
 
-    def _backpressure(self) -> tuple[frozenset, frozenset]:
+    def _backpressure(self) -> None:
+        """The partitions to keep paused (`paused`): every one a full class holds a job from."""
         full = {p for p, b in self._buffer.items() if len(b) >= self.config.max_buffered}
-        paused = frozenset((j.priority, j.partition) for p in full for j in self._buffer[p])
-        pause, resume = paused - self._paused, self._paused - paused
-        self._paused = paused
-        return pause, resume
+        self._paused = frozenset((j.priority, j.partition) for p in full for j in self._buffer[p])
 
 
 def _fifo(job: PendingJob) -> tuple[float, str]:

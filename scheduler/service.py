@@ -127,6 +127,8 @@ class SchedulerService:
         self.reclaim()
         now = time.time()
         decision = self.policy.schedule(now, self.budget())
+        for p in Priority:
+            m.HOLDING.labels(p.value).set(int(decision.holding is not None and decision.holding.priority is p))
         self.dispatch(decision, now)
         self.refuse(decision, now)
         self.pause()

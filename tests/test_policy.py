@@ -135,11 +135,9 @@ def test_pause_when_budget_spent_and_resume_as_it_frees():
     policy.add(job("a", NORMAL, 1000, 0.0, partition=3))
     policy.add(job("b", NORMAL, 1000, 0.0, partition=4))
     spent = policy.schedule(0.0, Budget(10_000, 9_500))
-    assert spent.admit == () and spent.pause == {(NORMAL, 3), (NORMAL, 4)}
-    assert policy.paused == {(NORMAL, 3), (NORMAL, 4)}
+    assert spent.admit == () and policy.paused == {(NORMAL, 3), (NORMAL, 4)}
     freed = policy.schedule(1.0, Budget(10_000, 8_500))
-    assert ids(freed.admit) == ["a"] and freed.resume == {(NORMAL, 3), (NORMAL, 4)}
-    assert policy.paused == frozenset()
+    assert ids(freed.admit) == ["a"] and policy.paused == frozenset()
 
 
 def test_a_tenant_at_its_limit_pauses_only_its_own_partition():
@@ -148,7 +146,7 @@ def test_a_tenant_at_its_limit_pauses_only_its_own_partition():
         policy.add(job(f"b{i}", LOW, 500, 0.0, tenant="cheap", tier=Tier.BRONZE, partition=1))
     budget = Budget(10_000, 1_000, tenant_in_use={"cheap": 1_000})
     decision = policy.schedule(1.0, budget)
-    assert decision.admit == () and decision.pause == {(LOW, 1)}
+    assert decision.admit == () and policy.paused == {(LOW, 1)}
     # Partition 2 was never paused, so its next job arrives and runs on the free budget.
     policy.add(job("s", LOW, 500, 1.0, partition=2))
     assert ids(policy.schedule(1.1, budget).admit) == ["s"]
@@ -185,3 +183,13 @@ def test_pending_job_from_a_request():
     text = msgspec.structs.replace(request, prompt="hello", prompt_tokens=None)
     with pytest.raises(ValueError, match="tokenize it first"):
         PendingJob.from_request(text, tier=Tier.GOLD, partition=4)  # a text prompt has no cost yet
+
+
+def test_the_decision_names_the_job_the_budget_is_held_for():
+    policy = Policy(PolicyConfig(silver_burst=1.0))
+    policy.add(job("long", NORMAL, 900, 0.0))
+    budget = Budget(1000, 800)  # two short jobs running: the long one does not fit
+    assert policy.schedule(1.0, budget).holding is None  # not yet waited its reserve_after_s
+    policy.add(job("short", NORMAL, 100, 5.5))
+    held = policy.schedule(6.0, budget)
+    assert held.holding.job_id == "long" and held.admit == ()  # the short one, though it fits, waits
