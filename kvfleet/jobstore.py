@@ -72,7 +72,12 @@ _FINISH = ledger.RELEASE + """
 local cur = redis.call('HGET', KEYS[4], 'state')
 if not cur then return {0, ''} end
 if not string.find(',' .. ARGV[5] .. ',', ',' .. cur .. ',', 1, true) then return {0, cur} end
-if ARGV[7] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[7] then return {0, 'lease_lost'} end
+-- Refused only if another runner holds the lease now. A lease that merely expired
+-- (this runner stalled past it, and nobody took over) still finishes: the work is done.
+if ARGV[7] ~= '' then
+  local holder = redis.call('GET', KEYS[6])
+  if holder and holder ~= ARGV[7] then return {0, 'lease_lost'} end
+end
 redis.call('HSET', KEYS[4], 'state', ARGV[1], 'result', ARGV[2], 'finished_at', ARGV[3])
 redis.call('EXPIRE', KEYS[4], ARGV[4])
 release(KEYS[1], KEYS[2], KEYS[3], ARGV[6])
@@ -157,7 +162,8 @@ class JobStore:
     def finish(self, result: JobResult, *, lease_token: str = "",
                only_from: Optional[frozenset[JobState]] = None) -> Transition:
         """Write the terminal result, move the state and release the reservation, atomically.
-        With a lease token, only the current run-lease holder may finish; with `only_from`,
+        With a lease token, no other run-lease holder may hold the lease (an expired lease
+        nobody took over does not throw the result away); with `only_from`,
         only a job in one of those states (a subset of what the state machine allows)."""
         assert result.status.terminal, result.status
         job_id = result.job_id

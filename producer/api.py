@@ -49,7 +49,7 @@ def build_context(settings: Settings, *, model: Optional[ModelInfo] = None,
     quotas = Quotas(sync_redis, keys) if tenancy.configured else None
     return ApiContext(
         settings=settings, sync_redis=sync_redis, async_redis=aredis.Redis.from_url(settings.redis.url),
-        store=store, publisher=Publisher(settings.kafka, store), model=model or load_model_info(settings.model.source),
+        store=store, publisher=Publisher(settings.kafka), model=model or load_model_info(settings.model.source),
         tenancy=tenancy, pressure=pressure, gate=Gate(settings.api, settings.policy, pressure, quotas))
 
 

@@ -1,9 +1,13 @@
-"""Puts validated jobs onto the priority topics: record state first, then produce.
+"""Puts validated jobs onto the priority topics (acks=all), before anything is recorded.
 
-Order matters. The job's state is written to Redis as `queued` *before* the message is
-produced, so a scheduler that reads the message always finds the job. If the produce
-then fails, the job is marked `failed` (code `enqueue_failed`) so its state stays true:
-a client polling it learns it will never run instead of waiting forever.
+Kafka is the record of a job; its Redis state follows. The API produces first and
+records `queued` after (`producer/routes/jobs.py`), so there is no window in which a
+job sits `queued` that Kafka never received (a crash between the two only leaves the
+job on Kafka, and the scheduler records a job it finds without a state). If the
+produce fails nothing is recorded: the client's `503` means "nothing was queued", and a
+retry with the same `job_id` simply submits it again. A produce whose outcome is
+unknown (a timeout after the broker wrote it) may leave a copy on Kafka too; the retry
+then produces a second one, which the scheduler recognises by its id and skips.
 """
 
 from __future__ import annotations
@@ -14,10 +18,8 @@ import threading
 from kafka.errors import KafkaError
 
 from kvfleet import constants
-from kvfleet.contracts import JobRequest, JobState, encode
-from kvfleet.jobstore import JobStore
+from kvfleet.contracts import JobRequest, encode
 from kvfleet.kafka import make_producer
-from kvfleet.logs import now
 from kvfleet.settings import KafkaSettings
 from producer.errors import QueueUnavailable
 
@@ -25,9 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, kafka: KafkaSettings, store: JobStore, *, client_id: str = "kvfleet-api") -> None:
+    def __init__(self, kafka: KafkaSettings, *, client_id: str = "kvfleet-api") -> None:
         self.kafka = kafka
-        self.store = store
         self._client_id = client_id
         self._producer = None
         self._lock = threading.Lock()  # the producer is created on first use, once
@@ -51,10 +52,9 @@ class Publisher:
             )
             meta = future.get(timeout=timeout_s)
         except (KafkaError, OSError) as exc:
-            self.store.fail(request.job_id, JobState.FAILED, "enqueue_failed",
-                            f"Kafka did not accept the job ({type(exc).__name__}: {exc}); submit it again", now=now())
             log.error("produce failed", extra={"job_id": request.job_id, "error": str(exc)})
-            raise QueueUnavailable(f"the queue is unavailable ({exc}); nothing will run, retry later",
+            raise QueueUnavailable(f"the queue is unavailable ({exc}); nothing was queued: retry later with "
+                                   "the same job_id",
                                    job_id=request.job_id) from exc
         log.info("queued", extra={"job_id": request.job_id, "topic": topic, "partition": meta.partition,
                                   "offset": meta.offset, "tenant": request.tenant})

@@ -70,6 +70,19 @@ def test_only_the_lease_holder_writes_the_result(store, redis_client):
     assert store.finish(_done(job), lease_token=mine.token).ok
 
 
+def test_a_runner_whose_lease_expired_unclaimed_still_keeps_its_result(store, redis_client):
+    # The runner stalled past its lease, but no other copy took the job over: throwing
+    # the finished result away would only make the job run again.
+    job = _job()
+    store.create(job)
+    store.start(job.job_id, now=time.time(), worker="w")
+    mine = Lease(redis_client, store.keys.run_lease(job.job_id), 5000)
+    assert mine.acquire()
+    redis_client.delete(store.keys.run_lease(job.job_id))  # expired
+    assert store.finish(_done(job), lease_token=mine.token).ok
+    assert store.get(job.job_id).status is JobState.DONE
+
+
 def test_fail_records_error_and_timings(store):
     job = _job()
     store.create(job)

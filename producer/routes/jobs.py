@@ -61,29 +61,35 @@ async def submit(request: Request) -> Response:
     priority = _priority(request.headers.get("x-priority"), body.priority)
     job = build_request(body, ctx.model, tenant=tenant.name, priority=priority, now=time.time(),
                         default_timeout_s=ctx.settings.api.default_timeout_s)
-    created, state, owner = await anyio.to_thread.run_sync(_record, ctx, tenant, job, body.job_id is not None)
-    if not created:
-        # Idempotent resubmission: same id, same tenant -> the existing job, no new run.
-        if owner != tenant.name:
+    existing = await anyio.to_thread.run_sync(_admit, ctx, tenant, job, body.job_id is not None)
+    if existing is None:
+        # Kafka first, then the state (producer/publisher.py says why): a failed
+        # produce records nothing, so a retry under the same job_id runs it once.
+        await anyio.to_thread.run_sync(ctx.publisher.publish, job)
+        created, _, owner = await anyio.to_thread.run_sync(ctx.store.create, job)
+        if not created and owner != tenant.name:  # another tenant's job took the id meanwhile
             raise Conflict(f"job_id {job.job_id!r} is taken; choose another or leave job_id out")
-        return JSONResponse(_accepted(ctx, job.job_id, state.value), status_code=200)
-    await anyio.to_thread.run_sync(ctx.publisher.publish, job)
-    SUBMITTED.labels(priority.value).inc()
-    LATENCY.labels("submit").observe(time.perf_counter() - started)
-    return JSONResponse(_accepted(ctx, job.job_id, "queued"), status_code=202,
-                        headers={"Location": f"/v1/jobs/{job.job_id}"})
+        # (Not created, same tenant: the scheduler read it first and recorded it.)
+        SUBMITTED.labels(priority.value).inc()
+        LATENCY.labels("submit").observe(time.perf_counter() - started)
+        return JSONResponse(_accepted(ctx, job.job_id, "queued"), status_code=202,
+                            headers={"Location": f"/v1/jobs/{job.job_id}"})
+    # Idempotent resubmission: same id, same tenant -> the existing job, no new run.
+    if existing.tenant != tenant.name:
+        raise Conflict(f"job_id {job.job_id!r} is taken; choose another or leave job_id out")
+    return JSONResponse(_accepted(ctx, job.job_id, existing.status.value), status_code=200)
 
 
-def _record(ctx: ApiContext, tenant: Tenant, job: JobRequest, client_id: bool) -> tuple[bool, JobState, str]:
-    """Admission checks, then the job recorded as queued (Redis calls: a worker thread)."""
+def _admit(ctx: ApiContext, tenant: Tenant, job: JobRequest, client_id: bool) -> Optional[JobResult]:
+    """The existing job for a resubmitted id; else None once the admission checks
+    passed (Redis calls: a worker thread). A resubmission is answered with the existing
+    job before any check, so a retry never pays the quota twice."""
     if client_id:
-        # A resubmission (a client retrying with its own id) is answered with the
-        # existing job before any check, so a retry never pays the quota twice.
         existing = ctx.store.get(job.job_id)
         if existing is not None:
-            return False, existing.status, existing.tenant
+            return existing
     ctx.gate.check(tenant, job)
-    return ctx.store.create(job)
+    return None
 
 
 @router.get(

@@ -1,0 +1,33 @@
+"""A client that retries as the docs say gets its job run exactly once, through the real
+fleet: a 503 (Kafka did not take the job) records nothing, so the retry under the same
+job_id is a fresh submission, not the answer "that job failed"."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+from fastapi.testclient import TestClient
+
+from kvfleet.settings import KafkaSettings, RedisSettings, Settings
+from producer.api import create_app
+
+
+def test_a_retry_after_a_503_runs_the_job_exactly_once(make_fleet, redis_url):
+    fleet = make_fleet(workers=1)
+    # The same fleet's API, in process, but its Kafka is unreachable (nothing listens on 1).
+    settings = Settings().replace(
+        kafka=KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix=fleet.env["KVFLEET_TOPIC_PREFIX"]),
+        redis=RedisSettings(url=redis_url, key_prefix=fleet.prefix))
+    body = {"job_id": "retry-me-1", "prompt_tokens": [7] * 8, "max_new_tokens": 3}
+    down = TestClient(create_app(settings)).post("/v1/jobs", json=body, headers={"X-Tenant-ID": "acme"})
+    assert down.status_code == 503 and "retry" in down.json()["error"]
+    assert fleet.state("retry-me-1") is None  # nothing recorded: nothing to poison the id
+
+    retried = httpx.post(f"{fleet.url}/v1/jobs", json=body, headers={"X-Tenant-ID": "acme"})
+    assert retried.status_code == 202, retried.text
+    fleet.wait_for(lambda: fleet.state("retry-me-1") == "done", "the retried job done", timeout=60)
+    assert fleet.field("retry-me-1", "attempts") == "1"
+    again = httpx.post(f"{fleet.url}/v1/jobs", json=body, headers={"X-Tenant-ID": "acme"})
+    assert again.status_code == 200 and again.json()["status"] == "done"  # a third try: the same job
+    result = msgspec.json.decode(fleet.field("retry-me-1", "result"))
+    assert result["usage"]["completion_tokens"] == 3
