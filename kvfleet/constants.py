@@ -52,6 +52,10 @@ class Keys:
         """Pub/sub channel told of every state change of one job (long-poll wake-up)."""
         return f"{self.prefix}:events:{job_id}"
 
+    def job_stream(self, job_id: str) -> str:
+        """Redis Stream of one job's generated text as it is produced (streaming clients)."""
+        return f"{self.prefix}:stream:{job_id}"
+
     def run_lease(self, job_id: str) -> str:
         """Held by the worker that is executing the job right now."""
         return f"{self.prefix}:lock:run:{job_id}"

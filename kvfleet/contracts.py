@@ -88,6 +88,9 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_k: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0  # 0 = no top-k cut
     seed: Optional[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]] = None
     stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(max_length=8)] = []
+    #: Token ids that end generation besides the model's EOS (a chat template's
+    #: end-of-turn token); the stopping token is not part of the text.
+    stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=8)] = []
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
