@@ -33,22 +33,33 @@ class Gate:
         self.pressure = pressure
         self.quotas = quotas
 
-    def check(self, tenant: Tenant, job: JobRequest) -> None:
-        """Raise `Refused` if the (tokenized) job must not be queued; otherwise charge its quota."""
+    def check(self, tenant: Tenant, job: JobRequest, *, output_field: str = "max_new_tokens") -> None:
+        """Raise `Refused` if the (tokenized) job must not be queued; otherwise charge its quota.
+        `output_field`: what the client called max_new_tokens, for the messages."""
         assert job.prompt_tokens is not None, "the API tokenizes every job"
-        too_many = over_ceiling(job.priority, len(job.prompt_tokens), job.max_new_tokens, self.policy)
+        too_many = over_ceiling(job.priority, len(job.prompt_tokens), job.max_new_tokens, self.policy,
+                                output_field=output_field)
         if too_many is not None:
-            raise Refused(too_many, status=422)
+            raise Refused(too_many, status=422, param=output_field, code="over_ceiling")
         self._check_load(tenant, job.priority)
         if self.quotas is not None:
             take = self.quotas.try_take(tenant, job.cost)
             if math.isinf(take.retry_after_s):
-                raise Refused(f"the job needs {job.cost} tokens but tenant {tenant.name!r} may submit at most "
-                              f"{tenant.bucket_tokens} at once; split it or lower max_new_tokens", status=413)
+                raise Refused(self._too_big(tenant, job, output_field), status=413, param=output_field,
+                              code="over_quota_bucket")
             if not take.allowed:
                 raise Refused(f"tenant {tenant.name!r} is over its quota of {tenant.tokens_per_minute} tokens a "
                               f"minute; retry after {math.ceil(take.retry_after_s)} s",
-                              status=429, retry_after_s=take.retry_after_s)
+                              status=429, retry_after_s=take.retry_after_s, code="rate_limit_exceeded")
+
+    @staticmethod
+    def _too_big(tenant: Tenant, job: JobRequest, output_field: str) -> str:
+        """The job can never pass the tenant's bucket: by how much to shrink it."""
+        over, room = job.cost - tenant.bucket_tokens, tenant.bucket_tokens - len(job.prompt_tokens)
+        fix = (f"lower {output_field} to at most {room} or shorten the prompt by {over} tokens" if room >= 1
+               else f"shorten the prompt by at least {1 - room} tokens")
+        return (f"the job needs {job.cost} tokens but tenant {tenant.name!r} may submit at most "
+                f"{tenant.bucket_tokens} at once: {fix}")
 
     def _check_load(self, tenant: Tenant, priority: Priority) -> None:
         reading = self.pressure.current()
@@ -59,10 +70,10 @@ class Gate:
             drain = reading.drain_per_s.get(priority, 0.0)
             retry = (backlog - bound) / drain if drain > 0 else MAX_RETRY_S
             raise Refused(f"{backlog} {priority.value} jobs are waiting (bound {bound}); retry later",
-                          status=429, retry_after_s=retry)
+                          status=429, retry_after_s=retry, code="backlog_full")
         waiting = sum(reading.backlog.values())
         if (tenant.tier is Tier.BRONZE and reading.utilization >= self.api.overload_utilization
                 and waiting >= self.api.overload_backlog):
             raise Refused(f"the fleet is overloaded ({reading.utilization:.0%} of its tokens in use, {waiting} "
                           "jobs waiting); bronze jobs are not accepted now, retry later",
-                          status=503, retry_after_s=self.policy.bronze_shed_after_s)
+                          status=503, retry_after_s=self.policy.bronze_shed_after_s, code="overloaded")

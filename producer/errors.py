@@ -2,8 +2,11 @@
 
 Every refusal the API gives is an `ApiError` raised wherever the reason is found
 (authentication, validation, admission, the queue); one handler (`producer/api.py`)
-turns it into the answer `{"error": message, ...}` with its status and headers, and
-counts it. A route never builds an error response by hand.
+turns it into its answer with its status and headers, and counts it. A route never
+builds an error response by hand. The answer's shape depends on the route family, not
+on the error: the native routes answer `{"error": message, ...}`, the OpenAI ones
+`{"error": {"message", "type", "param", "code"}}` (producer/openai/errors.py), which is
+what `param` (the request field to fix) and `code` (machine-readable) are for.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ class ApiError(Exception):
     status = 500
 
     def __init__(self, message: str, *, status: Optional[int] = None, retry_after_s: Optional[float] = None,
-                 **extra: Any) -> None:
+                 param: Optional[str] = None, code: Optional[str] = None, **extra: Any) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
         self.retry_after_s = retry_after_s
-        self.extra = extra  # more fields of the answer's body, e.g. the job_id
+        self.param = param  # the request field to fix, when one is to blame
+        self.code = code  # machine-readable reason, e.g. "context_length_exceeded"
+        self.extra = extra  # more fields of the native answer's body, e.g. the job_id
 
     @property
     def headers(self) -> dict[str, str]:
@@ -70,6 +75,18 @@ class Conflict(ApiError):
 class Refused(ApiError):
     """Admission said no: over a ceiling (422), the quota bucket (413), quota or
     backlog (429, with Retry-After), or overload for bronze (503)."""
+
+
+class JobFailed(ApiError):
+    """The job ran and failed (a worker error): the fleet's fault, not the request's."""
+
+    status = 500
+
+
+class StillRunning(ApiError):
+    """A caller waited for a job as long as it may; the job goes on (poll it by id)."""
+
+    status = 504
 
 
 class QueueUnavailable(ApiError):

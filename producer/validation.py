@@ -2,16 +2,26 @@
 
 Shape and ranges are checked by msgspec while decoding (`contracts.SubmitRequest`);
 what depends on the served model (its name, context length, vocabulary) is checked
-here, where the model's limits are known.
+here, where the model's limits are known. Every message names the field the client
+sent (`FieldNames`) and a change that would make the request pass.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from kvfleet.contracts import JobRequest, Priority, SubmitRequest, new_job_id
 from kvfleet.modelinfo import ModelInfo
 from producer.errors import BadRequest
+
+
+class FieldNames(NamedTuple):
+    """What the client called each field, so that a message names the field it sent:
+    the OpenAI routes say `max_tokens` where the native API says `max_new_tokens`."""
+
+    prompt: str = "prompt"
+    prompt_tokens: str = "prompt_tokens"
+    max_new_tokens: str = "max_new_tokens"
 
 
 def build_request(
@@ -22,29 +32,27 @@ def build_request(
     priority: Priority,
     now: float,
     default_timeout_s: float,
+    names: FieldNames = FieldNames(),
 ) -> JobRequest:
     """The job, its prompt as token ids: a text prompt is tokenized here, once, and the
     ids travel with the job, so the scheduler and the worker never tokenize it again."""
     if (submit.prompt is None) == (submit.prompt_tokens is None):
-        raise BadRequest("give exactly one of `prompt` (text) or `prompt_tokens` (a list of token ids)")
+        raise BadRequest(f"give exactly one of `{names.prompt}` (text) or `{names.prompt_tokens}` "
+                         "(a list of token ids)", param=names.prompt)
     if submit.model is not None and submit.model != model.name:
-        raise BadRequest(f"unknown model {submit.model!r}: this fleet serves {model.name!r} (or leave `model` out)")
+        raise BadRequest(f"unknown model {submit.model!r}: this fleet serves {model.name!r} (or leave `model` out)",
+                         param="model", code="model_not_found")
     if submit.prompt is not None:
         if not submit.prompt.strip():
-            raise BadRequest("`prompt` is blank; send some text to complete")
+            raise BadRequest(f"`{names.prompt}` is blank; send some text to complete", param=names.prompt)
         tokens = model.encode(submit.prompt)
     else:
         tokens = submit.prompt_tokens
         bad = next((t for t in tokens if t >= model.vocab_size), None)
         if bad is not None:
-            raise BadRequest(f"`prompt_tokens` contains id {bad}, outside the model's vocabulary of {model.vocab_size}")
-    prompt_len = len(tokens)
-    if prompt_len + submit.max_new_tokens > model.max_context:
-        raise BadRequest(
-            f"the prompt is {prompt_len} tokens and `max_new_tokens` is {submit.max_new_tokens}, "
-            f"but the model's context is {model.max_context} tokens: shorten the prompt or lower max_new_tokens "
-            f"to at most {max(model.max_context - prompt_len, 0)}"
-        )
+            raise BadRequest(f"`{names.prompt_tokens}` contains id {bad}, outside the model's vocabulary of "
+                             f"{model.vocab_size}", param=names.prompt_tokens)
+    check_context(len(tokens), submit.max_new_tokens, model.max_context, names)
     timeout_s: Optional[float] = submit.timeout_s or default_timeout_s
     return JobRequest(
         job_id=submit.job_id or new_job_id(),
@@ -56,4 +64,25 @@ def build_request(
         deadline=now + timeout_s,
         prompt_tokens=tokens,
         sampling=submit.sampling,
+    )
+
+
+def check_context(prompt_len: int, max_new_tokens: int, max_context: int, names: FieldNames = FieldNames()) -> None:
+    """Refuse a job whose prompt and output cannot fit the model's context, saying by how
+    much: the tokens to cut from the prompt and, when the prompt leaves room for any
+    output at all, the largest output that fits."""
+    over = prompt_len + max_new_tokens - max_context
+    if over <= 0:
+        return
+    room = max_context - prompt_len  # output tokens that fit after this prompt
+    fixes = [f"shorten the prompt by {over} tokens (to {prompt_len - over}) to keep `{names.max_new_tokens}` "
+             f"at {max_new_tokens}"]
+    if room >= 1:
+        fixes.append(f"lower `{names.max_new_tokens}` to at most {room}")
+    else:
+        fixes.append(f"by at least {1 - room} tokens (to {max_context - 1}) for a one-token answer")
+    raise BadRequest(
+        f"the prompt is {prompt_len} tokens and `{names.max_new_tokens}` is {max_new_tokens}, but the model's "
+        f"context is {max_context} tokens: {fixes[0]}, or {fixes[1]}",
+        param=names.prompt if room < 1 else names.max_new_tokens, code="context_length_exceeded",
     )
