@@ -2,11 +2,11 @@
 
 Every refusal the API gives is an `ApiError` raised wherever the reason is found
 (authentication, validation, admission, the queue); one handler (`producer/api.py`)
-turns it into its answer with its status and headers, and counts it. A route never
-builds an error response by hand. The answer's shape depends on the route family, not
-on the error: the native routes answer `{"error": message, ...}`, the OpenAI ones
-`{"error": {"message", "type", "param", "code"}}` (producer/openai/errors.py), which is
-what `param` (the request field to fix) and `code` (machine-readable) are for.
+turns it into its answer `{"error": message, ...extra}` with its status and headers,
+and counts it. A route never builds an error response by hand. `param` (the request
+field to fix) and `code` (a machine-readable reason) are recorded where the reason is
+found, for answer shapes that carry them (OpenAI's `{"error": {"message", "type",
+"param", "code"}}`).
 """
 
 from __future__ import annotations
@@ -75,18 +75,6 @@ class Conflict(ApiError):
 class Refused(ApiError):
     """Admission said no: over a ceiling (422), the quota bucket (413), quota or
     backlog (429, with Retry-After), or overload for bronze (503)."""
-
-
-class JobFailed(ApiError):
-    """The job ran and failed (a worker error): the fleet's fault, not the request's."""
-
-    status = 500
-
-
-class StillRunning(ApiError):
-    """A caller waited for a job as long as it may; the job goes on (poll it by id)."""
-
-    status = 504
 
 
 class QueueUnavailable(ApiError):
