@@ -3,6 +3,8 @@
     kvfleet submit "Once upon a time" --priority high --tenant acme --wait
     kvfleet get JOB_ID [--wait 30]
     kvfleet cancel JOB_ID
+    kvfleet batch submit FILE [--wait] [--output PATH]   OpenAI Batch API, with a progress bar
+    kvfleet batch status BATCH_ID
     kvfleet infra up|down|status        local Kafka (KRaft) and Redis
     kvfleet fleet up|down|status        API + scheduler + workers in the background
     kvfleet demo                        submit sample jobs at all priorities, print results
@@ -76,6 +78,72 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             return 2
     print(_result_line(result))
     return 0
+
+
+def _batch_client(args: argparse.Namespace):
+    import httpx
+
+    headers = {}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    if args.tenant:
+        headers["X-Tenant-ID"] = args.tenant
+    return httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=120)
+
+
+def _batch_call(response) -> dict:
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        raise SystemExit(f"error: {response.status_code}: {message}")
+    return response.json()
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """Upload a JSONL file, create a batch, and with --wait follow it and download its output."""
+    with _batch_client(args) as http:
+        if args.action == "status":
+            print(json.dumps(_batch_call(http.get(f"/v1/batches/{args.target}")), indent=2))
+            return 0
+        with open(args.target, "rb") as f:
+            first = json.loads(f.readline() or b"{}")
+            f.seek(0)
+            file = _batch_call(http.post("/v1/files", data={"purpose": "batch"},
+                                         files={"file": (args.target.rsplit("/", 1)[-1], f, "application/jsonl")}))
+        batch = _batch_call(http.post("/v1/batches", json={
+            "input_file_id": file["id"], "endpoint": args.endpoint or first.get("url", "/v1/chat/completions"),
+            "completion_window": args.window}))
+        print(f"{batch['id']} ({file['id']}, {batch['request_counts']['total']} requests)", file=sys.stderr)
+        if not args.wait:
+            print(batch["id"])
+            return 0
+        batch = _follow(http, batch)
+        print(f"{batch['id']}: {batch['status']}, {batch['request_counts']}", file=sys.stderr)
+        for key, suffix in (("output_file_id", ""), ("error_file_id", ".errors")):
+            if batch.get(key):
+                path = (args.output or f"{batch['id']}.jsonl") + suffix
+                with http.stream("GET", f"/v1/files/{batch[key]}/content") as response, open(path, "wb") as out:
+                    for chunk in response.iter_bytes():
+                        out.write(chunk)
+                print(f"{key.split('_')[0]} lines: {path}", file=sys.stderr)
+        return 0 if batch["status"] == "completed" else 1
+
+
+def _follow(http, batch: dict) -> dict:
+    """Poll the batch until it ends, with a bar of lines done / total, the rate and the ETA."""
+    from tqdm import tqdm
+
+    final = {"completed", "failed", "expired", "cancelled"}
+    with tqdm(total=batch["request_counts"]["total"], unit="line", desc=batch["id"]) as bar:
+        while batch["status"] not in final:
+            time.sleep(1.0)
+            batch = _batch_call(http.get(f"/v1/batches/{batch['id']}"))
+            counts = batch["request_counts"]
+            bar.update(counts["completed"] + counts["failed"] - bar.n)
+            bar.set_postfix(status=batch["status"], failed=counts["failed"])
+    return batch
 
 
 def cmd_infra(args: argparse.Namespace) -> int:
@@ -176,6 +244,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("job_id")
     client_opts(p)
     p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("batch", help="OpenAI Batch API: submit a JSONL file, or a batch's status")
+    p.add_argument("action", choices=["submit", "status"])
+    p.add_argument("target", help="submit: the JSONL file; status: the batch id")
+    client_opts(p)
+    p.add_argument("--endpoint", default=None, help="default: the first line's url")
+    p.add_argument("--window", default="24h", help="completion window, e.g. 24h")
+    p.add_argument("--wait", action="store_true", help="show progress, then download the output")
+    p.add_argument("--output", default=None, help="where the output goes (default: BATCH_ID.jsonl; errors "
+                                                  "next to it with .errors)")
+    p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("infra", help="local Kafka and Redis")
     p.add_argument("action", choices=["up", "down", "status"])

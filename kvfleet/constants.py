@@ -11,6 +11,7 @@ from kvfleet.contracts import Priority
 # --- Kafka -----------------------------------------------------------------------
 DEFAULT_TOPIC_PREFIX = "kvfleet.requests"
 DLQ_SUFFIX = "dlq"
+RESULTS_SUFFIX = "results"
 SCHEDULER_GROUP = "kvfleet-scheduler"
 #: Partitions per priority topic. Messages are keyed by tenant, so one tenant's jobs
 #: stay ordered within a partition; 6 lets up to 6 scheduler replicas share a topic.
@@ -29,6 +30,24 @@ def dlq_topic(prefix: str) -> str:
 def all_request_topics(prefix: str) -> list[str]:
     """In service order: high first."""
     return [request_topic(prefix, p) for p in Priority]
+
+
+def results_topic(prefix: str) -> str:
+    """Every terminal JobResult, keyed by job id (kvfleet/results.py), unless its job
+    named a `reply_to` topic."""
+    return f"{prefix}.{RESULTS_SUFFIX}"
+
+
+#: A week, like the request topics (the local broker's `log.retention.hours`): a
+#: requester that was down for days still finds its replies when it comes back.
+RESULTS_RETENTION_MS = 7 * 24 * 3600 * 1000
+#: The relays of all scheduler replicas share the outbox through this Redis Streams
+#: consumer group, so each result is produced by one of them (again only after a crash).
+RESULTS_RELAY_GROUP = "kvfleet-results-relay"
+#: Headers of a result message whose value is the job id. `correlation_id` is the
+#: generic name; `kafka_correlationId` is Spring Kafka's (KafkaHeaders.CORRELATION_ID),
+#: which a ReplyingKafkaTemplate matches replies on.
+CORRELATION_HEADERS = ("correlation_id", "kafka_correlationId")
 
 
 # --- Redis -----------------------------------------------------------------------
@@ -92,6 +111,48 @@ class Keys:
     def lock(self, name: str) -> str:
         return f"{self.prefix}:lock:{name}"
 
+    @property
+    def results_outbox(self) -> str:
+        """Redis Stream of terminal results not yet on Kafka: appended by the job store's
+        finish, in the same Lua call that writes the result; drained by kvfleet/results.py."""
+        return f"{self.prefix}:outbox:results"
+
+    # The Files and Batch APIs (producer/files/, producer/batches/).
+    def file(self, file_id: str) -> str:
+        """Hash: one file's metadata (its bytes are in the file store)."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def files_of(self, tenant: str) -> str:
+        """Sorted set file_id -> created_at: one tenant's files, for listing."""
+        return f"{self.prefix}:files:{tenant}"
+
+    @property
+    def files_expiry(self) -> str:
+        """Sorted set file_id -> expires_at: what the retention sweep deletes."""
+        return f"{self.prefix}:files:expiry"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch's spec, status, timestamps, counts and cursor."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """Hash line number -> error JSON: lines the fleet refused for good."""
+        return f"{self.prefix}:batch:{batch_id}:errors"
+
+    def batches_of(self, tenant: str) -> str:
+        """Sorted set batch_id -> created_at: one tenant's batches, for listing."""
+        return f"{self.prefix}:batches:{tenant}"
+
+    @property
+    def batches_active(self) -> str:
+        """Set of batches not yet in a final state: what the drivers look for."""
+        return f"{self.prefix}:batches:active"
+
+
+#: Entries a job's stream (Keys.job_stream) keeps at most. A run writes a start, an
+#: end and at most one delta per generated token (MAX_NEW_TOKENS_LIMIT, 4096; fewer,
+#: as deltas are batched): room for four full runs, so reruns never trim a live one.
+STREAM_MAXLEN = 20_000
 
 # --- Lifetimes (seconds) ---------------------------------------------------------
 #: A finished job's state and result stay readable this long, then Redis drops them.
@@ -103,6 +164,14 @@ PENDING_TTL_S = 7 * 24 * 3600
 RUN_LEASE_S = 15.0
 #: Worker heartbeat key TTL; the heartbeat is written every third of this.
 WORKER_HEARTBEAT_TTL_S = 10.0
+#: The results outbox's TTL, pushed back by every finish: a relay drains it within
+#: milliseconds, so it only ever expires under a fleet that is gone (a test's prefix).
+RESULTS_OUTBOX_TTL_S = 7 * 24 * 3600
+#: A batch driver's lease, renewed every third of this: after an API replica dies,
+#: another (or the restarted one) takes its batches over within this long.
+BATCH_LEASE_S = 10.0
+#: A finished batch's record stays this long (its files follow their own retention).
+BATCH_TTL_S = 30 * 24 * 3600
 
 # --- Celery ----------------------------------------------------------------------
 CELERY_TASK_NAME = "kvfleet.run_job"

@@ -78,6 +78,9 @@ MAX_NEW_TOKENS_LIMIT = 4096
 MAX_PROMPT_CHARS = 200_000
 JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 TenantId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+#: A name Kafka accepts for a topic: its legal characters, at most 249 of them, and
+#: neither "." nor "..".
+KafkaTopic = Annotated[str, msgspec.Meta(pattern=r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,249}$")]
 
 
 class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -130,6 +133,11 @@ class JobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: length here. It is ignored (the length is `len(prompt_tokens)` once tokenized),
     #: and kept so that their v1 messages still decode.
     prompt_len: Optional[Annotated[int, msgspec.Meta(ge=0)]] = None
+    #: Kafka request/reply: the topic the job's terminal JobResult is produced to
+    #: (kvfleet/results.py) instead of `<prefix>.results`. Set by a client producing
+    #: straight to Kafka; the topic must exist before the job ends (kvfleet creates no
+    #: topic a client names). The API sets none: HTTP clients poll or stream.
+    reply_to: Optional[KafkaTopic] = None
     v: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -253,4 +261,9 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
 
     worker_id: str
     capacity_tokens: int  # KV tokens the worker's block pool holds
+    #: The served model's name (what clients put in `model`) and its weights'
+    #: fingerprint: `GET /v1/models` lists these. Empty from older workers.
+    model: str = ""
+    fingerprint: str = ""
+    started_at: float = 0.0  # unix seconds the worker started
     v: int = SCHEMA_VERSION

@@ -3,7 +3,7 @@
 Layout of `kvfleet:job:{job_id}` (a hash):
     state, tenant, priority, request (JobRequest JSON), result (JobResult JSON, once
     terminal), queued_at / admitted_at / started_at / finished_at (unix seconds),
-    attempts (times a worker started it).
+    attempts (times a worker started it), reply_to (only for a job that names one).
 
 Every write is a Lua script that checks the current state against the allowed
 transitions first, so a duplicate delivery (a second "admit", a second "finish") finds
@@ -11,6 +11,11 @@ the job already moved and changes nothing. Two of them also move the job's token
 reservation with the state, with the ledger's own Lua (kvfleet/ledger.py): `admit_many`
 (the scheduler) reserves, `finish` (the worker, or a cancel) releases. Every state change is also PUBLISHed on the
 job's events channel, which is what wakes a long-polling `GET /v1/jobs/{id}?wait=`.
+
+`finish` (and `fail`, through it) is the one place a terminal state is written, by the
+API, the scheduler and the workers alike, and the same Lua call appends the result to
+the results outbox (`Keys.results_outbox`), which kvfleet/results.py relays to Kafka:
+a result is written if and only if it is queued for Kafka, whoever crashes when.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ if cur then
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'tenant', ARGV[1], 'priority', ARGV[2],
            'request', ARGV[3], 'queued_at', ARGV[4], 'attempts', 0)
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'reply_to', ARGV[6]) end
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('PUBLISH', KEYS[2], 'queued')
 return {1, 'queued', ARGV[1]}
@@ -64,10 +70,13 @@ redis.call('PUBLISH', KEYS[2], ARGV[1])
 return {1, cur}
 """
 
-# The one call a worker makes when a job ends: result, final state and the release of
-# the job's token reservation (kvfleet/ledger.py), together or not at all.
-# KEYS: ledger, leases, meta, job, events, run lease
-# ARGV: to_state, result JSON, finished_at, ttl, allowed-from, job_id, lease token ('' = no check)
+# The one call that ends a job: result, final state, the release of the job's token
+# reservation (kvfleet/ledger.py) and the result's entry in the outbox for Kafka,
+# together or not at all. The outbox entry carries the result's bytes, not a pointer to
+# the job hash: the relay produces exactly what was written, even after the hash expired.
+# KEYS: ledger, leases, meta, job, events, run lease, results outbox
+# ARGV: to_state, result JSON, finished_at, ttl, allowed-from, job_id, lease token ('' = no check),
+#       outbox ttl
 _FINISH = ledger.RELEASE + """
 local cur = redis.call('HGET', KEYS[4], 'state')
 if not cur then return {0, ''} end
@@ -81,6 +90,11 @@ end
 redis.call('HSET', KEYS[4], 'state', ARGV[1], 'result', ARGV[2], 'finished_at', ARGV[3])
 redis.call('EXPIRE', KEYS[4], ARGV[4])
 release(KEYS[1], KEYS[2], KEYS[3], ARGV[6])
+redis.call('XADD', KEYS[7], '*', 'job_id', ARGV[6], 'status', ARGV[1],
+           'reply_to', redis.call('HGET', KEYS[4], 'reply_to') or '', 'result', ARGV[2])
+-- Only so that the outbox of a fleet that is gone (a test's prefix) does not stay
+-- forever: every finish pushes the TTL back, and a running relay drains it long before.
+redis.call('EXPIRE', KEYS[7], ARGV[8])
 redis.call('PUBLISH', KEYS[5], ARGV[1])
 return {1, cur}
 """
@@ -146,13 +160,16 @@ class JobStore:
         created, state, tenant = self._create(
             keys=[self.keys.job(request.job_id), self.keys.job_events(request.job_id)],
             args=[request.tenant, request.priority.value, encode(request), repr(request.submitted_at),
-                  constants.PENDING_TTL_S],
+                  constants.PENDING_TTL_S, request.reply_to or ""],
         )
         return bool(created), JobState(state.decode()), tenant.decode()
 
     def transition(self, job_id: str, to_state: JobState, *, ttl: int = 0, **fields: Any) -> Transition:
         """Move the job to `to_state` if the current state allows it; set `fields` with it.
-        Pass attempts=True to count an attempt."""
+        Pass attempts=True to count an attempt. Never to a terminal state: that is `finish`."""
+        if to_state.terminal:
+            raise ValueError(f"{to_state.value} is terminal: end a job with finish() or fail(), which write "
+                             "its result and queue it for Kafka")
         args: list[Any] = [to_state.value, ttl, _sources(to_state)]
         for name, value in fields.items():
             args += [name, value if isinstance(value, (str, bytes)) else repr(value)]
@@ -172,9 +189,9 @@ class JobStore:
             sources = ",".join(s for s in sources.split(",") if JobState(s) in only_from)
         ok, previous = self._finish(
             keys=[*self._ledger_keys, self.keys.job(job_id), self.keys.job_events(job_id),
-                  self.keys.run_lease(job_id)],
+                  self.keys.run_lease(job_id), self.keys.results_outbox],
             args=[result.status.value, encode(result), repr(result.timings.finished_at or 0.0),
-                  constants.RESULT_TTL_S, sources, job_id, lease_token],
+                  constants.RESULT_TTL_S, sources, job_id, lease_token, constants.RESULTS_OUTBOX_TTL_S],
         )
         return Transition(ok=bool(ok), previous=previous.decode() or None)
 

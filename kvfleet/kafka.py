@@ -48,14 +48,23 @@ def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int
     )
 
 
+def make_admin(kafka: KafkaSettings, *, client_id: str) -> KafkaAdminClient:
+    return KafkaAdminClient(bootstrap_servers=kafka.bootstrap, client_id=client_id)
+
+
 def ensure_topics(kafka: KafkaSettings) -> None:
-    """Create the three priority topics and the dead-letter topic if missing."""
-    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap, client_id="kvfleet-admin")
+    """Create the three priority topics, the dead-letter topic and the results topic if
+    missing. Results are keyed by job id, spread over as many partitions as a request
+    topic, and kept a week (`RESULTS_RETENTION_MS`) whatever the broker's default."""
+    admin = make_admin(kafka, client_id="kvfleet-admin")
     try:
         existing = set(admin.list_topics())
         wanted = [NewTopic(t, kafka.partitions, 1) for t in kafka.topics if t not in existing]
         if kafka.dlq not in existing:
             wanted.append(NewTopic(kafka.dlq, constants.DLQ_PARTITIONS, 1))
+        if kafka.results not in existing:
+            wanted.append(NewTopic(kafka.results, kafka.partitions, 1,
+                                   topic_configs={"retention.ms": str(constants.RESULTS_RETENTION_MS)}))
         if not wanted:
             return
         try:

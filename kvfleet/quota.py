@@ -12,6 +12,7 @@ it answers 429 with `Retry-After` = the time the bucket needs to refill the defi
 from __future__ import annotations
 
 import math
+import time
 from typing import NamedTuple, Optional
 
 import redis
@@ -51,6 +52,13 @@ class Take(NamedTuple):
     retry_after_s: float
 
 
+class Level(NamedTuple):
+    """A bucket as it stands, refilled to now (a read: nothing is taken)."""
+
+    remaining: int  # tokens a take could have now
+    reset_s: float  # seconds until the bucket is full again
+
+
 class Quotas:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client = client
@@ -68,3 +76,14 @@ class Quotas:
             args=[tokens, tenant.bucket_tokens, repr(tenant.refill_per_s), now_arg(now)],
         )
         return Take(bool(ok), float(retry))
+
+    def peek(self, tenant: Tenant, now: Optional[float] = None) -> Level:
+        """The tenant's bucket refilled to `now` (this process's clock: a read for
+        rate-limit headers, where a skew of a few ms does not matter)."""
+        level, ts = self.client.hmget(self.keys.quota(tenant.name), "level", "ts")
+        size = tenant.bucket_tokens
+        if level is None or ts is None:
+            return Level(size, 0.0)  # never charged, or idle long enough to expire full
+        now = time.time() if now is None else now
+        current = min(size, float(level) + max(0.0, now - float(ts)) * tenant.refill_per_s)
+        return Level(int(current), (size - current) / tenant.refill_per_s)

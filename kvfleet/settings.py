@@ -108,6 +108,10 @@ class KafkaSettings:
     def dlq(self) -> str:
         return constants.dlq_topic(self.topic_prefix)
 
+    @property
+    def results(self) -> str:
+        return constants.results_topic(self.topic_prefix)
+
 
 @dataclass(frozen=True)
 class RedisSettings:
@@ -154,6 +158,10 @@ class ApiSettings:
     max_wait_s: float = knob(60.0, "MAX_WAIT_S", float, gt=0)
     #: Default SLA for jobs that give no timeout, seconds (sets their deadline).
     default_timeout_s: float = knob(600.0, "DEFAULT_TIMEOUT_S", float, gt=0)
+    #: Output tokens of an OpenAI chat request that sets no max_completion_tokens /
+    #: max_tokens, cut to what the context, the class's ceiling and the tenant's bucket
+    #: leave. Not "the whole context" (vLLM's default): the quota charges it up front.
+    chat_max_tokens: int = knob(512, "CHAT_MAX_TOKENS", int, lo=1)
     # Most jobs a class may have waiting on Kafka for the scheduler (its consumer lag)
     # before submissions of that class get 429 + Retry-After. High's bound is the
     # smallest: a long high backlog already means high latency.
@@ -175,6 +183,36 @@ class ApiSettings:
     def max_backlog(self) -> dict[Priority, int]:
         return {Priority.HIGH: self.max_backlog_high, Priority.NORMAL: self.max_backlog_normal,
                 Priority.LOW: self.max_backlog_low}
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """The Files and Batch APIs (producer/files/, producer/batches/, docs/batch.md)."""
+
+    #: Where uploaded and generated files live; empty: `<KVFLEET_HOME>/files`. A volume
+    #: shared by every API replica (each may drive any batch).
+    files_dir: str = knob("", "FILES_DIR")
+    #: OpenAI's limits for a batch input file: 200 MB and 50,000 lines.
+    max_file_bytes: int = knob(200 * 2**20, "FILES_MAX_BYTES", int, lo=1)
+    max_file_lines: int = knob(50_000, "FILES_MAX_LINES", int, lo=1)
+    #: Files are deleted this long after upload (30 days, as OpenAI keeps batch output).
+    file_retention_s: float = knob(30 * 24 * 3600.0, "FILES_RETENTION_S", float, gt=0)
+    #: Shortest and longest `completion_window` a batch may ask for, seconds. OpenAI
+    #: takes only "24h"; a shorter minimum lets a test or an operator expire batches sooner.
+    min_window_s: float = knob(3600.0, "BATCH_MIN_WINDOW_S", float, gt=0)
+    max_window_s: float = knob(7 * 24 * 3600.0, "BATCH_MAX_WINDOW_S", float, gt=0)
+    #: Jobs of one batch queued or running at once: bounds what a batch puts on Kafka
+    #: (so it never fills its class's backlog, which would refuse other tenants) and
+    #: what its driver tracks.
+    max_in_flight: int = knob(512, "BATCH_MAX_IN_FLIGHT", int, lo=1)
+    #: Lines read ahead and sorted by prompt before they are queued, so lines sharing a
+    #: prefix run next to each other and reuse its KV blocks.
+    order_window: int = knob(256, "BATCH_ORDER_WINDOW", int, lo=1)
+
+    def __post_init__(self) -> None:
+        if self.min_window_s > self.max_window_s:
+            raise ValueError(f"min_window_s={self.min_window_s} must be <= max_window_s={self.max_window_s} "
+                             "(KVFLEET_BATCH_MIN_WINDOW_S, KVFLEET_BATCH_MAX_WINDOW_S)")
 
 
 @dataclass(frozen=True)
@@ -327,6 +365,9 @@ class WorkerSettings:
     #: than this is delivered twice. So prefetch is 1 per thread, and the job's run
     #: lease (not this timeout) is what keeps two copies from both running.
     visibility_timeout_s: float = knob(300.0, "VISIBILITY_TIMEOUT_S", float, gt=0)
+    #: Publish each job's text to its Redis Stream as it is generated (what
+    #: `GET /v1/jobs/{id}/stream` relays). Off: streams show each job's text at its end.
+    stream: bool = knob(True, "WORKER_STREAM", _bool)
 
 
 @dataclass(frozen=True)
@@ -360,6 +401,7 @@ class Settings:
     engine: EngineConfig = nested(EngineConfig)
     worker: WorkerSettings = nested(WorkerSettings)
     cold_tier: ColdTierSettings = nested(ColdTierSettings)
+    batch: BatchSettings = nested(BatchSettings)
     #: Tenants with tier, quota and API keys: JSON, or "@path" to a JSON file
     #: (kvfleet/tenancy.py). Empty: development, any X-Tenant-ID, no quota.
     tenants: str = knob("", "TENANTS")

@@ -29,9 +29,12 @@ from kvfleet.tenancy import Tenancy
 from producer.admission import Gate
 from producer.context import ApiContext
 from producer.errors import ApiError
+from producer import http_errors, openapi
+from producer import ratelimit
 from producer.pressure import Pressure
 from producer.publisher import Publisher
-from producer.routes import health, jobs
+from producer.batches import components as batching
+from producer.routes import batches, completions, files, health, jobs, models, streams
 
 log = logging.getLogger("kvfleet.api")
 
@@ -56,13 +59,16 @@ def build_context(settings: Settings, *, model: Optional[ModelInfo] = None,
 def create_app(settings: Settings, *, limits: Optional[ModelInfo] = None, tenancy: Optional[Tenancy] = None,
                ) -> FastAPI:
     ctx = build_context(settings, model=limits, tenancy=tenancy)
+    batch_parts = batching.build(ctx)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await anyio.to_thread.run_sync(ensure_topics, settings.kafka)
         ctx.pressure.start()
+        batch_parts.driver.start()
         log.info("api ready", extra={"model": ctx.model.name, "max_context": ctx.model.max_context})
         yield
+        await batch_parts.driver.stop()
         await anyio.to_thread.run_sync(ctx.pressure.stop)
         await anyio.to_thread.run_sync(ctx.publisher.close)
         await ctx.async_redis.aclose()
@@ -71,15 +77,31 @@ def create_app(settings: Settings, *, limits: Optional[ModelInfo] = None, tenanc
     app = FastAPI(title="kvfleet", version="1", lifespan=lifespan,
                   description="Asynchronous LLM inference: submit a job, then poll its result by id.")
     app.state.ctx = ctx
+    app.state.batching = batch_parts
     app.include_router(jobs.router)
+    app.include_router(streams.router)
+    app.include_router(completions.router)
+    app.include_router(models.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(health.router)
     app.add_exception_handler(ApiError, _refuse)
+    http_errors.install(app, _refuse)  # the framework's own refusals, in the same shape
+    openapi.install(app)
     return app
 
 
+#: Routes that answer OpenAI's clients: invalid input is a 400 there (their
+#: BadRequestError), where the native API has always answered 422.
+OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 async def _refuse(request: Request, exc: ApiError) -> JSONResponse:
+    if exc.status == 422 and request.url.path in OPENAI_PATHS:
+        exc.status = 400
     REFUSED.labels(str(exc.status)).inc()
-    return JSONResponse({"error": exc.message, **exc.extra}, status_code=exc.status, headers=exc.headers)
+    headers = {**exc.headers, **await ratelimit.headers(request.app.state.ctx, getattr(request.state, "tenant", None))}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def main() -> None:

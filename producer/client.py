@@ -93,7 +93,8 @@ class Client:
         if response.status_code < 400:
             return
         try:
-            message = response.json().get("error", response.text)
+            error = response.json().get("error", response.text)
+            message = error.get("message", response.text) if isinstance(error, dict) else error
         except ValueError:
             message = response.text
         retry = response.headers.get("Retry-After")

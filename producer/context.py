@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+import anyio
 import redis
 import redis.asyncio as aredis
 from fastapi import Request
 
-from kvfleet.contracts import JobResult
+from kvfleet import registry
+from kvfleet.contracts import JobResult, WorkerHeartbeat
 from kvfleet.jobstore import JobStore, result_from_hash
 from kvfleet.modelinfo import ModelInfo
 from kvfleet.settings import Settings
@@ -19,6 +21,10 @@ from producer.admission import Gate
 from producer.auth import resolve_tenant
 from producer.pressure import Pressure
 from producer.publisher import Publisher
+
+
+#: How long a read of the workers' heartbeats is reused, seconds.
+FLEET_CACHE_S = 1.0
 
 
 @dataclass
@@ -32,6 +38,24 @@ class ApiContext:
     tenancy: Tenancy
     pressure: Pressure
     gate: Gate
+
+    #: The live workers' heartbeats and when they were read (`fleet()` caches them).
+    _fleet: tuple[float, list[WorkerHeartbeat]] = field(default=(0.0, []), init=False, repr=False)
+
+    async def fleet(self) -> list[WorkerHeartbeat]:
+        """The live workers' heartbeats, read at most once a second: `/v1/models` and
+        every OpenAI answer's `system_fingerprint` come from them."""
+        read_at, beats = self._fleet
+        if time.monotonic() - read_at > FLEET_CACHE_S:
+            beats = await anyio.to_thread.run_sync(registry.live, self.sync_redis, self.settings.redis.keys)
+            self._fleet = (time.monotonic(), beats)
+        return beats
+
+    async def fingerprint(self) -> Optional[str]:
+        """OpenAI's `system_fingerprint`: the served weights' fingerprint, as the workers
+        that serve this model report it (None while none is alive)."""
+        prints = sorted({b.fingerprint for b in await self.fleet() if b.model == self.model.name and b.fingerprint})
+        return f"fp_{prints[0][:12]}" if prints else None
 
     def tenant(self, headers: Mapping[str, str], body_tenant: Optional[str] = None) -> Tenant:
         """The caller's tenant (raises Unauthorized / Forbidden)."""

@@ -2,11 +2,14 @@
 
 Every refusal the API gives is an `ApiError` raised wherever the reason is found
 (authentication, validation, admission, the queue); one handler (`producer/api.py`)
-turns it into its answer `{"error": message, ...extra}` with its status and headers,
-and counts it. A route never builds an error response by hand. `param` (the request
-field to fix) and `code` (a machine-readable reason) are recorded where the reason is
-found, for answer shapes that carry them (OpenAI's `{"error": {"message", "type",
-"param", "code"}}`).
+turns it into its answer with its status and headers, and counts it. A route never
+builds an error response by hand. Every route answers in OpenAI's error shape, so one
+client-side parser reads them all:
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}, ...extra}
+
+`param` (the request field to fix) and `code` (a machine-readable reason) are recorded
+where the reason is found; `type` follows from the status (`ERROR_TYPES`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,13 @@ from typing import Any, Optional
 #: Retry-After bounds, seconds: at least 1 (it is an integer), at most a minute (the
 #: estimate is rough, and a client told to wait longer may as well poll again).
 MIN_RETRY_S, MAX_RETRY_S = 1, 60
+
+
+#: OpenAI's error `type` for each status (what its clients and docs use); others are
+#: "server_error".
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
+               413: "invalid_request_error", 422: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 429: "rate_limit_error"}
 
 
 class ApiError(Exception):
@@ -34,6 +44,15 @@ class ApiError(Exception):
         self.param = param  # the request field to fix, when one is to blame
         self.code = code  # machine-readable reason, e.g. "context_length_exceeded"
         self.extra = extra  # more fields of the native answer's body, e.g. the job_id
+
+    @property
+    def type(self) -> str:
+        return ERROR_TYPES.get(self.status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        """The answer's JSON body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code},
+                **self.extra}
 
     @property
     def headers(self) -> dict[str, str]:

@@ -14,6 +14,9 @@ One loop iteration, top to bottom (each step is a method below):
   pause     pause / resume partitions as the policy's buffer fills and drains
   commit    per partition, up to its oldest record still undecided
 
+Beside the loop, in its own thread, the results relay (kvfleet/results.py) produces every
+terminal result to Kafka from the job store's outbox; the loop checks that it lives.
+
 Nothing is lost and nothing runs twice: an offset is committed only once its job is
 durably admitted, refused or dead-lettered (`OffsetBook`); a job is admitted with its
 reservation in one atomic step that refuses any job not queued (or admitted: a re-send
@@ -45,8 +48,9 @@ from kvfleet.capacity import FleetCapacity
 from kvfleet.celery_app import make_celery
 from kvfleet.contracts import JobRequest, JobState, Priority
 from kvfleet.jobstore import JobStore
-from kvfleet.kafka import ensure_topics, make_consumer, make_producer
+from kvfleet.kafka import ensure_topics, make_admin, make_consumer, make_producer
 from kvfleet.ledger import Ledger
+from kvfleet.results import KnownTopics, ResultRelay
 from kvfleet.settings import Settings
 from kvfleet.tenancy import Tenancy
 from scheduler import metrics as m
@@ -71,6 +75,11 @@ class MembershipStalled(RuntimeError):
     """The consumer cannot get a partition assignment: the process exits non-zero."""
 
 
+class RelayStopped(RuntimeError):
+    """The results relay's thread died (a bug: it retries every Redis and Kafka error);
+    without it no result reaches Kafka, so the process exits non-zero."""
+
+
 @dataclass(frozen=True)
 class Waiting:
     """A job buffered in the policy, and the record it came from."""
@@ -84,7 +93,7 @@ class Waiting:
 class SchedulerService:
     def __init__(self, settings: Settings, consumer: KafkaConsumer, dlq_producer: KafkaProducer,
                  dispatcher: Dispatcher, ledger: Ledger, capacity: FleetCapacity, tenancy: Tenancy,
-                 tokenize: Callable[[JobRequest], JobRequest]) -> None:
+                 tokenize: Callable[[JobRequest], JobRequest], *, relay: Optional[ResultRelay] = None) -> None:
         self.settings = settings
         self.consumer = consumer
         self.dlq = dlq_producer
@@ -94,6 +103,8 @@ class SchedulerService:
         self.capacity = capacity
         self.tenancy = tenancy
         self.tokenize = tokenize
+        self.relay = relay
+        self._relay_thread: Optional[threading.Thread] = None
         self.policy = Policy(settings.policy, tenancy.tenants)
         self.stopping = threading.Event()
         self.waiting: dict[str, Waiting] = {}  # buffered in the policy, by job id
@@ -107,6 +118,7 @@ class SchedulerService:
 
     def run(self) -> None:
         self.wait_for_topics()
+        self.start_relay()
         self.consumer.subscribe(self.settings.kafka.topics, listener=self.revocations)
         log.info("scheduler consuming", extra={"topics": self.settings.kafka.topics, "group": self.settings.kafka.group})
         while not self.stopping.is_set():
@@ -123,6 +135,7 @@ class SchedulerService:
         records = self.poll()
         self.forget_revoked()
         self.check_membership()
+        self.check_relay()
         self.intake(records)
         self.reclaim()
         now = time.time()
@@ -144,6 +157,24 @@ class SchedulerService:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no Kafka metadata for {self.settings.kafka.topics} after {timeout_s:.0f}s")
             time.sleep(0.2)
+
+    def start_relay(self) -> None:
+        if self.relay is None:
+            return
+        self._relay_thread = threading.Thread(target=self.relay.run, args=(self.stopping,), name="results-relay",
+                                              daemon=True)
+        self._relay_thread.start()
+
+    def check_relay(self) -> None:
+        if self._relay_thread is not None and not self._relay_thread.is_alive() and not self.stopping.is_set():
+            raise RelayStopped("the results relay thread died (its traceback is above)")
+
+    def stop_relay(self) -> None:
+        """After `stopping` is set: the relay finishes its batch (acked or left pending) and closes."""
+        if self._relay_thread is not None:
+            self._relay_thread.join(timeout=10)
+        if self.relay is not None:
+            self.relay.close()
 
     def poll(self) -> list[ConsumerRecord]:
         s = self.settings.scheduler
@@ -408,9 +439,13 @@ def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: 
                             lease_s=s.admit_lease_s, replica=replica)
     capacity = FleetCapacity(client, keys, ceiling_tokens=s.capacity_ceiling_tokens or None)
     consumer = make_consumer(settings.kafka, client_id=client_id, max_poll_records=s.max_poll_records)
+    admin = make_admin(settings.kafka, client_id=f"{client_id}-results")
+    relay = ResultRelay(client, keys, make_producer(settings.kafka, client_id=f"{client_id}-results"),
+                        KnownTopics(admin.list_topics, close=admin.close), results_topic=settings.kafka.results,
+                        reserved_topics=[*settings.kafka.topics, settings.kafka.dlq], consumer=replica)
     return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"),
                             dispatcher, Ledger(client, keys), capacity,
-                            tenancy or Tenancy.from_settings(settings), Tokenize(settings.model.source))
+                            tenancy or Tenancy.from_settings(settings), Tokenize(settings.model.source), relay=relay)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -424,12 +459,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         service.run()
         service.commit(force=True)  # what was decided, so the next owner does not re-read it
-    except MembershipStalled as exc:
+    except (MembershipStalled, RelayStopped) as exc:
         log.error("scheduler exiting for its supervisor to restart it", extra={"error": str(exc)})
         raise SystemExit(1) from None
     finally:
+        service.stopping.set()  # also on an error: the relay thread ends with the loop
         service.consumer.close()  # leaves the group at once so partitions move without waiting
         service.dlq.close(timeout=5)
+        service.stop_relay()
         log.info("scheduler stopped")
 
 

@@ -20,7 +20,7 @@ def test_a_retry_after_a_503_runs_the_job_exactly_once(make_fleet, redis_url):
         redis=RedisSettings(url=redis_url, key_prefix=fleet.prefix))
     body = {"job_id": "retry-me-1", "prompt_tokens": [7] * 8, "max_new_tokens": 3}
     down = TestClient(create_app(settings)).post("/v1/jobs", json=body, headers={"X-Tenant-ID": "acme"})
-    assert down.status_code == 503 and "retry" in down.json()["error"]
+    assert down.status_code == 503 and "retry" in down.json()["error"]["message"]
     assert fleet.state("retry-me-1") is None  # nothing recorded: nothing to poison the id
 
     retried = httpx.post(f"{fleet.url}/v1/jobs", json=body, headers={"X-Tenant-ID": "acme"})

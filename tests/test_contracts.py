@@ -45,12 +45,14 @@ def test_other_schema_versions_are_refused():
 
 def test_older_v1_messages_still_decode():
     # An API from before tokenized prompts sent the text with its length; a worker sent
-    # more heartbeat fields. Both still read, so a fleet upgrades one process at a time.
+    # more heartbeat fields (the model's name and fingerprint are read again, for
+    # GET /v1/models). Both still read, so a fleet upgrades one process at a time.
     old = msgspec.json.encode({**to_builtins(_request()), "prompt_len": 6})
     assert decode_request(old).prompt == "hello"
     beat = msgspec.json.encode({"worker_id": "w", "model": "m", "fingerprint": "f", "capacity_tokens": 7,
                                 "tokens_in_use": 0, "running": 0, "waiting": 0, "ts": 1.0, "v": 1})
-    assert msgspec.json.decode(beat, type=WorkerHeartbeat) == WorkerHeartbeat(worker_id="w", capacity_tokens=7)
+    assert msgspec.json.decode(beat, type=WorkerHeartbeat) == WorkerHeartbeat(
+        worker_id="w", capacity_tokens=7, model="m", fingerprint="f")
 
 
 def test_a_job_costs_its_prompt_tokens_and_every_new_token():

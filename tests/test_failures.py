@@ -37,14 +37,14 @@ BAD_INPUTS = [
 def test_bad_input_gets_a_4xx_that_says_what_to_fix(api_fleet, body, mentions):
     response = httpx.post(f"{api_fleet.url}/v1/jobs", json=body, headers={"X-Tenant-ID": "acme"})
     assert 400 <= response.status_code < 500, response.text
-    assert mentions in response.json()["error"], response.json()
+    assert mentions in response.json()["error"]["message"], response.json()
 
 
 def test_bad_priority_header_and_body(api_fleet):
     r = httpx.post(f"{api_fleet.url}/v1/jobs", json={"prompt": "hi"}, headers={"X-Priority": "asap"})
-    assert r.status_code == 422 and "X-Priority" in r.json()["error"]
+    assert r.status_code == 422 and "X-Priority" in r.json()["error"]["message"]
     r = httpx.post(f"{api_fleet.url}/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
-    assert r.status_code == 422 and "JSON" in r.json()["error"]
+    assert r.status_code == 422 and "JSON" in r.json()["error"]["message"]
     r = httpx.get(f"{api_fleet.url}/v1/jobs/nope", headers={"X-Tenant-ID": "acme"})
     assert r.status_code == 404
 

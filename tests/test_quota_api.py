@@ -53,7 +53,7 @@ def test_over_quota_gets_429_with_a_retry_after_that_is_right(api):
     assert post(api, "key-acme-1").status_code == 202  # 50 tokens
     assert post(api, "key-acme-2").status_code == 202  # the same tenant's other key: 100, the bucket is empty
     refused = post(api, "key-acme-1")
-    assert refused.status_code == 429 and "quota" in refused.json()["error"]
+    assert refused.status_code == 429 and "quota" in refused.json()["error"]["message"]
     # The bucket as the refusal left it, on the server's clock (Redis TIME): `level`
     # tokens at `ts`, refilling at 10 a second. The same 50 tokens pass once it holds 50.
     level, refused_at = _bucket(api, "acme")
@@ -78,13 +78,13 @@ def test_over_quota_gets_429_with_a_retry_after_that_is_right(api):
 
 def test_a_job_larger_than_the_bucket_gets_413(api):
     response = post(api, "key-acme-1", tokens=61, max_new=40)
-    assert response.status_code == 413 and "at most 100" in response.json()["error"]
+    assert response.status_code == 413 and "at most 100" in response.json()["error"]["message"]
 
 
 def test_over_the_class_ceiling_gets_422_naming_the_ceilings(api):
     response = post(api, "key-globex-1", tokens=10, max_new=100, priority="low")  # 110 > low's 100
     assert response.status_code == 422, response.text
-    error = response.json()["error"]
+    error = response.json()["error"]["message"]
     assert "ceiling is 100" in error and "high 800" in error and "normal 400" in error
 
 
@@ -100,7 +100,7 @@ def test_a_class_backlog_over_its_bound_gets_429_and_other_classes_pass(api):
     for _ in range(4):
         assert post(api, "key-globex-1", max_new=8, priority="low").status_code == 202
     response = _eventually(lambda: post(api, "key-globex-1", max_new=8, priority="low"), 429)
-    assert "low jobs are waiting (bound 3)" in response.json()["error"]
+    assert "low jobs are waiting (bound 3)" in response.json()["error"]["message"]
     assert int(response.headers["Retry-After"]) >= 1  # nothing drains here: the longest hint
     assert post(api, "key-globex-1", max_new=8, priority="high").status_code == 202
 
@@ -116,7 +116,7 @@ def test_bronze_gets_503_under_overload_and_silver_does_not(api):
                             now=time.time(), by="test")[0].reserved
     try:
         response = _eventually(lambda: post(api, "key-cheap-1", max_new=8), 503)
-        assert "overloaded" in response.json()["error"] and response.headers["Retry-After"] == "30"
+        assert "overloaded" in response.json()["error"]["message"] and response.headers["Retry-After"] == "30"
         assert post(api, "key-globex-1", max_new=8).status_code == 202
     finally:
         store.fail(load, JobState.CANCELLED, "cancelled", "the test's load ends", now=time.time())
@@ -137,7 +137,7 @@ def test_cancel_releases_the_reservation_and_is_tenant_checked(api):
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert api.reserved(job_id) is None
     again = httpx.delete(url, headers={"X-API-Key": "key-globex-1"})
-    assert again.status_code == 409 and "cancelled" in again.json()["error"]
+    assert again.status_code == 409 and "cancelled" in again.json()["error"]["message"]
     # A cancelled job is never admitted again.
     assert not store.admit_many([Admit(job_id, 18, "globex", Priority.NORMAL)], capacity=10_000, lease_s=60,
                                 now=time.time(), by="test")[0].reserved

@@ -15,7 +15,7 @@ less than a lock round trip.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvfleet.contracts import Sampling
 from kvstore.coldtier import ColdTier, PrefixSource
@@ -65,13 +65,13 @@ class PrefixSharingEngine:
         self.sharing = sharing
 
     def generate(self, request_id: str, prompt_tokens: Sequence[int], max_new_tokens: int, sampling: Sampling, *,
-                 priority_rank: int = 1, stop: tuple[str, ...] = ()):
+                 priority_rank: int = 1, stop: tuple[str, ...] = (), on_token: Callable[[int], None] | None = None):
         try:
             self.sharing.prepare(request_id, prompt_tokens)
         except Exception:  # noqa: BLE001 - the cold tier is an optimisation: never fail a job for it
             log.warning("shared-prefix step failed; prefilling locally", extra={"job_id": request_id}, exc_info=True)
         return self.engine.generate(request_id, prompt_tokens, max_new_tokens, sampling,
-                                    priority_rank=priority_rank, stop=stop)
+                                    priority_rank=priority_rank, stop=stop, on_token=on_token)
 
     def cancel(self, request_id: str) -> bool:
         return self.engine.cancel(request_id)

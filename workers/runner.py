@@ -17,6 +17,11 @@ never renews, reserves or releases anything.
 Cancellation: `DELETE /v1/jobs/{id}` moves the job to `cancelled` and releases its
 tokens at once; `RunWatch` sees the state and calls `engine.cancel`, which stops the
 job at its next step, and the runner records nothing more (the state is final).
+
+Streaming (with a `StreamPublisher`, workers/streaming.py): each run writes a `start`
+with its attempt number, its text as it is generated, and an `end`; the end of a
+finished run is written before its result, so a reader that sees the result finds
+every piece of the text in the stream.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import redis
 from kvfleet import constants
 from kvfleet.contracts import (
     Completion,
+    JobError,
     JobRequest,
     JobResult,
     JobState,
@@ -46,6 +52,7 @@ from kvfleet.jobstore import JobStore
 from kvfleet.ledger import Ledger
 from kvstore.lock import Lease
 from workers.engine import RequestCancelled
+from workers.streaming import StreamPublisher
 
 log = logging.getLogger("kvfleet.worker")
 
@@ -54,7 +61,8 @@ class Generator(Protocol):
     """What the runner needs from the engine."""
 
     def generate(self, request_id: str, prompt_tokens: list[int], max_new_tokens: int, sampling: Sampling, *,
-                 priority_rank: int = 1, stop: tuple[str, ...] = ()) -> Completion: ...
+                 priority_rank: int = 1, stop: tuple[str, ...] = (),
+                 on_token: Optional[Callable[[int], None]] = None) -> Completion: ...
 
     def cancel(self, request_id: str) -> bool:
         """Stop the request at the next step (`generate` raises RequestCancelled);
@@ -136,7 +144,7 @@ class RunWatch:
 class JobRunner:
     def __init__(self, store: JobStore, client: redis.Redis, engine: Generator, tokenizer: Tokenizer, *,
                  worker_id: str, lease_s: float = constants.RUN_LEASE_S, poll_s: float = 0.5,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, stream: Optional[StreamPublisher] = None) -> None:
         self.store = store
         self.client = client
         self.engine = engine
@@ -145,6 +153,7 @@ class JobRunner:
         self.lease_ms = int(lease_s * 1000)
         self.poll_s = poll_s
         self.clock = clock
+        self.stream = stream
         self.watch = RunWatch(store, Ledger(client, store.keys), engine.cancel, lease_s=lease_s)
 
     def run(self, raw: dict) -> Outcome:
@@ -205,29 +214,38 @@ class JobRunner:
             return Outcome("cancelled" if started.previous == JobState.CANCELLED.value else "duplicate", job.job_id)
         self.watch.add(job.job_id)
         log.info("running", extra={"job_id": job.job_id, "priority": job.priority.value, "tenant": job.tenant})
+        on_token = self._begin_stream(job)
         try:
             # The API (or, for a job produced straight to Kafka, the scheduler) tokenized the
             # prompt; only a task sent by a scheduler from before that carries text.
             prompt = job.prompt_tokens if job.prompt_tokens is not None else self.tokenizer.encode(job.prompt or "")
             completion = self.engine.generate(job.job_id, prompt, job.max_new_tokens, job.sampling,
-                                              priority_rank=job.priority.rank, stop=tuple(job.sampling.stop))
+                                              priority_rank=job.priority.rank, stop=tuple(job.sampling.stop),
+                                              **({"on_token": on_token} if on_token is not None else {}))
         except RequestCancelled:
             # The API already wrote `cancelled` and released the tokens; nothing to record.
+            self._end_stream(job.job_id, JobState.CANCELLED, error=JobError("cancelled", "cancelled by the client"))
             log.info("cancelled", extra={"job_id": job.job_id})
             return Outcome("cancelled", job.job_id)
         except ValueError as exc:  # the engine's own input checks (e.g. PromptTooLong)
+            self._end_stream(job.job_id, JobState.FAILED, error=JobError("invalid_request", str(exc)))
             self.store.fail(job.job_id, JobState.FAILED, "invalid_request", str(exc), now=self.clock(),
                             lease_token=lease.token)
             log.warning("rejected by engine", extra={"job_id": job.job_id, "error": str(exc)})
             return Outcome("failed", job.job_id)
         except Exception as exc:  # noqa: BLE001 - any engine fault must end the job truthfully
-            self.store.fail(job.job_id, JobState.FAILED, "worker_error", f"{type(exc).__name__}: {exc}",
+            message = f"{type(exc).__name__}: {exc}"
+            self._end_stream(job.job_id, JobState.FAILED, error=JobError("worker_error", message))
+            self.store.fail(job.job_id, JobState.FAILED, "worker_error", message,
                             now=self.clock(), lease_token=lease.token)
             log.exception("engine error", extra={"job_id": job.job_id})
             return Outcome("failed", job.job_id)
         finally:
             self.watch.discard(job.job_id)
         result = self._result(job, completion)
+        # The stream's last text and its end before the result: see the module docstring.
+        self._end_stream(job.job_id, JobState.DONE, text=result.text, finish_reason=result.finish_reason,
+                         usage=result.usage)
         written = self.store.finish(result, lease_token=lease.token)
         if not written.ok:
             # Lease lost (we stalled past it and another copy took over) or already
@@ -238,6 +256,24 @@ class JobRunner:
                                 "cached_tokens": completion.cached_tokens,
                                 "seconds": round(completion.finished_at - completion.started_at, 3)})
         return Outcome("done", job.job_id)
+
+    def _begin_stream(self, job: JobRequest) -> Optional[Callable[[int], None]]:
+        """Announce the run on the job's stream; the engine's per-token callback (None
+        when this worker does not stream)."""
+        if self.stream is None:
+            return None
+        try:
+            # Counted by `store.start` just now: 2 and up means the job is rerun from scratch.
+            attempt = int(self.store.field(job.job_id, "attempts") or 1)
+        except redis.RedisError as exc:  # the stream is a convenience: never fail a job for it
+            log.warning("no stream for this run", extra={"job_id": job.job_id, "error": str(exc)})
+            return None
+        self.stream.begin(job.job_id, attempt, stop=job.sampling.stop, stop_token_ids=job.sampling.stop_token_ids)
+        return self.stream.on_token(job.job_id)
+
+    def _end_stream(self, job_id: str, status: JobState, **fields) -> None:
+        if self.stream is not None:
+            self.stream.end(job_id, status, **fields)
 
     def _result(self, job: JobRequest, c: Completion) -> JobResult:
         current = self.store.get(job.job_id)

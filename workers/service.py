@@ -1,7 +1,7 @@
 """`kvfleet-worker`: one process, one model, one engine, many Celery task threads.
 
 Bootstrap, top to bottom: settings → model (loaded once) → engine (its step loop in a
-background thread) with the Redis cold tier as its block hooks → job runner → heartbeat → metrics endpoint → Celery worker loop
+background thread) with the Redis cold tier as its block hooks → stream publisher → job runner → heartbeat → metrics endpoint → Celery worker loop
 (thread pool, high/normal/low queues in priority order). Celery's warm shutdown on
 SIGTERM lets running jobs finish; on SIGKILL their tasks stay unacknowledged and are
 redelivered after the visibility timeout.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 
 import redis
@@ -30,6 +31,7 @@ from workers.heartbeat import Heartbeat
 from workers.model.loader import load_model
 from workers.prefix import PrefixSharing, PrefixSharingEngine
 from workers.runner import JobRunner
+from workers.streaming import StreamPublisher
 from workers.tasks import register
 
 log = logging.getLogger("kvfleet.worker")
@@ -49,6 +51,7 @@ def main() -> None:
     settings = Settings.from_env()
     logs.setup("worker", settings.log_level)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    started_at = time.time()
 
     model = load_model(settings.model.source, device=settings.model.device, dtype=settings.model.dtype)
     hooks = ColdTierHooks()
@@ -66,10 +69,12 @@ def main() -> None:
 
     client = redis.Redis.from_url(settings.redis.url)
     store = JobStore(client, settings.redis.keys)
-    runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id)
+    stream = StreamPublisher(client, settings.redis.keys, model.tokenizer).start() if settings.worker.stream else None
+    runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id, stream=stream)
 
     def snapshot() -> WorkerHeartbeat:
-        return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens)
+        return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens,
+                               model=model.name, fingerprint=model.fingerprint, started_at=started_at)
 
     heartbeat = Heartbeat(client, settings.redis.keys, worker_id, snapshot)
     heartbeat.start()
@@ -90,6 +95,8 @@ def main() -> None:
     finally:
         heartbeat.stop()
         engine.shutdown()
+        if stream is not None:
+            stream.close()  # writes what the last steps queued
         if hooks.tier is not None:
             hooks.tier.close()  # drains the spill queue
         log.info("worker stopped", extra={"worker_id": worker_id})

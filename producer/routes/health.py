@@ -13,19 +13,30 @@ import anyio
 import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from producer import openapi
+from producer.answers import Health, Readiness
 from producer.context import context
 
 router = APIRouter()
 
 
-@router.get("/healthz")
+class PrometheusText(Response):
+    """Prometheus' text exposition format, v0.0.4: what `generate_latest` writes and
+    every scraper reads (the library's CONTENT_TYPE_LATEST names a newer version)."""
+
+    media_type = CONTENT_TYPE_PLAIN_0_0_4
+
+
+@router.get("/healthz", responses={200: openapi.response(Health, "The process is up")})
 async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={200: openapi.response(Readiness, "Kafka and Redis answer"),
+                                   503: openapi.response(Readiness, "Kafka or Redis does not answer")})
 async def readyz(request: Request) -> Response:
     ctx = context(request)
     checks = {"redis": False, "kafka": False}
@@ -38,6 +49,8 @@ async def readyz(request: Request) -> Response:
     return JSONResponse({"ready": ok, **checks}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PrometheusText,
+            responses={200: openapi.response(None, "Prometheus metrics", media_type=PrometheusText.media_type,
+                                             schema={"type": "string"})})
 async def metrics() -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    return PrometheusText(generate_latest())

@@ -18,37 +18,39 @@ from typing import Optional
 
 import anyio
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import Counter, Histogram
+from prometheus_client import Histogram
 
-from kvfleet.contracts import JobRequest, JobResult, JobState, Priority, SubmitRequest, decode_submit
-from kvfleet.tenancy import Tenant
+from kvfleet.contracts import JobResult, JobState, Priority, SubmitRequest, decode_submit
+from producer import openapi
+from producer.answers import Accepted
 from producer.context import ApiContext, context
 from producer.errors import BadRequest, Conflict, NotFound
+from producer.submission import submit as submit_job
 from producer.validation import build_request
 
-SUBMITTED = Counter("kvfleet_api_jobs_submitted", "Jobs accepted onto Kafka", ["priority"])
 LATENCY = Histogram("kvfleet_api_request_duration_seconds", "HTTP handling time", ["route"],
                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 
-_SUBMIT_SCHEMA = msgspec.json.schema(SubmitRequest)
-_RESULT_SCHEMA = msgspec.json.schema(JobResult)
+# `build_request` refuses neither or both; msgspec's schema cannot say so itself.
+openapi.exactly_one(SubmitRequest, "prompt", "prompt_tokens")
 
 router = APIRouter()
 
 
 @router.post(
     "/v1/jobs", status_code=202,
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _SUBMIT_SCHEMA}}}},
-    responses={202: {"description": "Accepted: the job is on Kafka"},
-               200: {"description": "A job with this job_id exists already (idempotent resubmission)"},
-               401: {"description": "Missing or unknown API key"}, 403: {"description": "Unknown tenant"},
-               409: {"description": "job_id taken by another tenant"},
-               413: {"description": "Larger than the tenant's whole quota bucket"},
-               422: {"description": "Invalid input or over the class's token ceiling; `error` says what to fix"},
-               429: {"description": "Over quota, or the class's backlog is over its bound; see Retry-After"},
-               503: {"description": "Kafka unavailable, or a bronze tenant while overloaded; nothing was queued"}},
+    openapi_extra=openapi.body(SubmitRequest),
+    responses={202: openapi.response(Accepted, "Accepted: the job is on Kafka"),
+               200: openapi.response(Accepted, "A job with this job_id exists already (idempotent resubmission)"),
+               401: openapi.error_response("Missing or unknown API key"),
+               403: openapi.error_response("Unknown tenant, or the API key is another tenant's"),
+               409: openapi.error_response("job_id taken by another tenant"),
+               413: openapi.error_response("Larger than the tenant's whole quota bucket"),
+               422: openapi.error_response("Invalid input or over the class's token ceiling; `error` says what to fix"),
+               429: openapi.error_response("Over quota, or the class's backlog is over its bound; see Retry-After"),
+               503: openapi.error_response("Kafka unavailable, or a bronze tenant while overloaded; nothing was queued")},
 )
 async def submit(request: Request) -> Response:
     started = time.perf_counter()
@@ -61,48 +63,31 @@ async def submit(request: Request) -> Response:
     priority = _priority(request.headers.get("x-priority"), body.priority)
     job = build_request(body, ctx.model, tenant=tenant.name, priority=priority, now=time.time(),
                         default_timeout_s=ctx.settings.api.default_timeout_s)
-    existing = await anyio.to_thread.run_sync(_admit, ctx, tenant, job, body.job_id is not None)
+    existing = await submit_job(ctx, tenant, job, client_id=body.job_id is not None)
     if existing is None:
-        # Kafka first, then the state (producer/publisher.py says why): a failed
-        # produce records nothing, so a retry under the same job_id runs it once.
-        await anyio.to_thread.run_sync(ctx.publisher.publish, job)
-        created, _, owner = await anyio.to_thread.run_sync(ctx.store.create, job)
-        if not created and owner != tenant.name:  # another tenant's job took the id meanwhile
-            raise Conflict(f"job_id {job.job_id!r} is taken; choose another or leave job_id out")
-        # (Not created, same tenant: the scheduler read it first and recorded it.)
-        SUBMITTED.labels(priority.value).inc()
         LATENCY.labels("submit").observe(time.perf_counter() - started)
         return JSONResponse(_accepted(ctx, job.job_id, "queued"), status_code=202,
                             headers={"Location": f"/v1/jobs/{job.job_id}"})
     # Idempotent resubmission: same id, same tenant -> the existing job, no new run.
-    if existing.tenant != tenant.name:
-        raise Conflict(f"job_id {job.job_id!r} is taken; choose another or leave job_id out")
     return JSONResponse(_accepted(ctx, job.job_id, existing.status.value), status_code=200)
-
-
-def _admit(ctx: ApiContext, tenant: Tenant, job: JobRequest, client_id: bool) -> Optional[JobResult]:
-    """The existing job for a resubmitted id; else None once the admission checks
-    passed (Redis calls: a worker thread). A resubmission is answered with the existing
-    job before any check, so a retry never pays the quota twice."""
-    if client_id:
-        existing = ctx.store.get(job.job_id)
-        if existing is not None:
-            return existing
-    ctx.gate.check(tenant, job)
-    return None
 
 
 @router.get(
     "/v1/jobs/{job_id}",
-    responses={200: {"description": "The job's state and, once terminal, its result",
-                     "content": {"application/json": {"schema": _RESULT_SCHEMA}}},
-               404: {"description": "No such job for this tenant"}},
+    responses={200: openapi.response(JobResult, "The job's state and, once terminal, its result"),
+               401: openapi.error_response("Missing or unknown API key"),
+               403: openapi.error_response("Unknown tenant, or the API key is another tenant's"),
+               404: openapi.error_response("No such job for this tenant"),
+               422: openapi.error_response("`wait` is not a number of seconds >= 0")},
 )
-async def get_job(job_id: str, request: Request, wait: float = 0.0) -> Response:
+async def get_job(job_id: str, request: Request,
+                  wait: float = Query(0.0, ge=0, allow_inf_nan=False,
+                                      description="Seconds to long-poll until the job is terminal "
+                                                  "(capped by the server's max_wait_s); 0 answers at once"),
+                  ) -> Response:
+    # A negative `wait` is refused by FastAPI (Query(ge=0)), as an ApiError (see create_app).
     ctx = context(request)
     tenant = ctx.tenant(request.headers).name
-    if wait < 0:
-        raise BadRequest("`wait` must be >= 0 seconds")
     # Ownership first, then the wait: otherwise how long a 404 takes would tell another
     # tenant whether the job exists and when it ends.
     result = _owned(await ctx.read(job_id), job_id, tenant)
@@ -113,10 +98,12 @@ async def get_job(job_id: str, request: Request, wait: float = 0.0) -> Response:
 
 @router.delete(
     "/v1/jobs/{job_id}",
-    responses={200: {"description": "Cancelled: its tokens are released; a running job stops at its next step",
-                     "content": {"application/json": {"schema": _RESULT_SCHEMA}}},
-               404: {"description": "No such job for this tenant"},
-               409: {"description": "The job already ended (done, failed, expired, rejected or cancelled)"}},
+    responses={200: openapi.response(JobResult, "Cancelled: its tokens are released; a running job stops at "
+                                                "its next step"),
+               401: openapi.error_response("Missing or unknown API key"),
+               403: openapi.error_response("Unknown tenant, or the API key is another tenant's"),
+               404: openapi.error_response("No such job for this tenant"),
+               409: openapi.error_response("The job already ended (done, failed, expired, rejected or cancelled)")},
 )
 async def cancel_job(job_id: str, request: Request) -> Response:
     ctx = context(request)

@@ -4,7 +4,7 @@ the model, and steps them while there is work.
     until the inbox says stop (sleeping in it while idle):
         admit new requests, fail cancelled ones, run calls     _admit
         schedule → run the model → postprocess                 _step
-        stop strings, first-token and per-token times          _after_step
+        on_token callbacks, stop strings, token times          _after_step
         resolve what finished; publish the stats snapshot
 
 A step that raises (the model, a block hook) fails the requests in flight and the loop
@@ -99,6 +99,8 @@ class StepLoop:
             if token is None:
                 continue
             new_tokens += 1
+            if seq.on_token is not None:
+                self._tell(seq, token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 metrics.TIME_TO_FIRST_TOKEN.observe(now - seq.submitted_at)
@@ -119,11 +121,19 @@ class StepLoop:
         self._max_batch = max(self._max_batch, self._last_batch)
         metrics.GENERATED_TOKENS.inc(new_tokens)
 
+    def _tell(self, seq: Sequence, token: int) -> None:
+        # The callback is the caller's code on our thread: its failure must cost its
+        # request a streamed token at most, never the step (and the batch) it came from.
+        try:
+            seq.on_token(token)
+        except Exception:  # noqa: BLE001
+            log.exception("on_token callback failed", extra={"request_id": seq.request_id})
+
     def _completion(self, seq: Sequence) -> Completion:
         # The whole completion decoded once, at the end: the stop string (wherever it ended
         # up, also when EOS or length ended the request first) and what follows it are
         # cut from the text; the tokens stay.
-        text = self.tokenizer.decode(seq.completion_token_ids)
+        text = self.tokenizer.decode(seq.text_token_ids)
         cut = cut_at_stop(text, seq.stop) if seq.stop else None
         text, reason = (text, seq.finish_reason) if cut is None else (cut, "stop")
         return Completion(text=text, tokens=seq.completion_token_ids, finish_reason=reason,

@@ -90,7 +90,7 @@ class Scheduler:
         return ScheduledBatch(seqs, counts)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Record a finished step; returns the sequences it finished (EOS or length)."""
+        """Record a finished step; returns the sequences it finished (EOS, a stop token or length)."""
         finished = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
             seq.num_computed_tokens += n
@@ -100,6 +100,12 @@ class Scheduler:
             seq.append_token(token)
             if token in self.eos_token_ids and not seq.ignore_eos:
                 self.finish(seq, "eos")
+                finished.append(seq)
+            elif token in seq.stop_token_ids:
+                # The request's own end tokens (a chat template's end of turn): an EOS
+                # by another name, so "stop", and kept out of the text like EOS.
+                self.finish(seq, "stop")
+                seq.stopped_by_token = True
                 finished.append(seq)
             elif seq.num_completion_tokens >= seq.max_new_tokens:
                 self.finish(seq, "length")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -29,6 +30,7 @@ class Sequence:
         stop: tuple[str, ...],
         ignore_eos: bool,
         arrival_order: int,
+        on_token: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_tokens)  # prompt, then every generated token
@@ -39,9 +41,14 @@ class Sequence:
         self.priority_rank = priority_rank  # 0 is served first (contracts.Priority.rank)
         self.stop = stop
         self.ignore_eos = ignore_eos
+        self.stop_token_ids = frozenset(sampling.stop_token_ids)  # end it like EOS, even with ignore_eos
+        #: Told each new token on the step thread (a stream's publisher): O(1), never blocks.
+        self.on_token = on_token
         self.arrival_order = arrival_order  # ties in priority go to the older request
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "eos" | "stop" | "length"
+        #: Ended by one of `stop_token_ids`: that token stays in the tokens but not in the text.
+        self.stopped_by_token = False
 
         self.block_table: list[int] = []
         #: Chained hashes of the leading full blocks, computed once and kept across
@@ -69,6 +76,12 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The completion tokens its text is decoded from: all but a stop token that ended it."""
+        ids = self.completion_token_ids
+        return ids[:-1] if self.stopped_by_token else ids
 
     @property
     def num_uncomputed_tokens(self) -> int:

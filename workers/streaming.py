@@ -1,0 +1,209 @@
+"""Publishes each running job's new text to its Redis Stream (kvfleet/streams.py).
+
+One thread per worker process. The engine's step thread only puts each new token on a
+queue (`on_token`: O(1), never blocks, never touches Redis); this thread drains the
+queue, turns each job's tokens into text (workers/detokenizer.py) and writes one delta
+per job per flush, for every job in one pipelined round trip. A slow or failing Redis
+delays the stream, never the engine: errors are logged and the batch is dropped (the
+job's result, which `follow` ends every stream with, still carries all of its text).
+
+The runner, on the Celery task's thread, tells it when a run starts (`begin`) and ends
+(`end`); `end` returns once the end is written (or failed, or timed out), so the runner
+writes the result only after the stream's last text: a reader that sees the result
+terminal finds the stream complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import redis
+
+from kvfleet import streams
+from kvfleet.constants import Keys
+from kvfleet.contracts import JobError, JobState, Usage
+from kvfleet.streams import StreamEvent
+from kvfleet.tokenizer import Tokenizer
+from workers.detokenizer import Detokenizer
+
+log = logging.getLogger("kvfleet.worker")
+
+#: How long the thread gathers tokens before a flush, seconds: at one token per engine
+#: step, a flush per step would be a round trip per token; 20 ms is below what a
+#: reader notices and batches several steps of a small model.
+FLUSH_S = 0.02
+#: The longest `end` waits for its write, seconds: a Redis that does not answer delays
+#: a job's result by at most this (the result, not the stream, is the truth).
+END_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class _Begin:
+    job_id: str
+    attempt: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _End:
+    job_id: str
+    status: JobState
+    text: Optional[str]  # the final text (done), whose rest is sent before the end
+    finish_reason: Optional[str]
+    usage: Optional[Usage]
+    error: Optional[JobError]
+    written: threading.Event
+
+
+_Token = tuple  # (job_id, token_id): a plain tuple, the cheapest thing to build on the step thread
+_Item = Union[_Begin, _Token, _End]
+
+
+@dataclass
+class _Run:
+    """One job's run as this thread tracks it."""
+
+    attempt: int
+    detokenizer: Detokenizer
+    tokens: list[int] = field(default_factory=list)  # generated since the last delta
+    unread: list[int] = field(default_factory=list)  # not given to the detokenizer yet
+    text: str = ""  # safe to send, not sent yet
+
+    def read(self) -> None:
+        """Detokenize what came since the last flush: one decode per job per flush."""
+        if self.unread:
+            self.text += self.detokenizer.push(self.unread)
+            self.unread = []
+
+
+class StreamPublisher:
+    def __init__(self, client: redis.Redis, keys: Keys, tokenizer: Tokenizer, *, flush_s: float = FLUSH_S) -> None:
+        self.client = client
+        self.keys = keys
+        self.tokenizer = tokenizer
+        self.flush_s = flush_s
+        self._queue: "queue.SimpleQueue[Optional[_Item]]" = queue.SimpleQueue()  # unbounded: put never blocks
+        self._runs: dict[str, _Run] = {}  # only this thread touches it
+        self._thread = threading.Thread(target=self._loop, name="stream-publisher", daemon=True)
+
+    def start(self) -> "StreamPublisher":
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # --- the runner's thread ------------------------------------------------------------
+
+    def begin(self, job_id: str, attempt: int, *, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = ()) -> None:
+        """A run of the job starts: its `start` event; `attempt` is the job hash's count."""
+        self._queue.put(_Begin(job_id, attempt, tuple(stop), tuple(stop_token_ids)))
+
+    def on_token(self, job_id: str) -> Callable[[int], None]:
+        """The engine's per-token callback for the job (called on the step thread)."""
+        put = self._queue.put
+        return lambda token_id: put((job_id, token_id))
+
+    def end(self, job_id: str, status: JobState, *, text: Optional[str] = None, finish_reason: Optional[str] = None,
+            usage: Optional[Usage] = None, error: Optional[JobError] = None, wait: bool = True) -> bool:
+        """The run ended: send the rest of `text` (the job's final text) and the `end`
+        event. With `wait`, returns once the write was tried (True; a failure is logged)
+        or after END_TIMEOUT_S (False)."""
+        written = threading.Event()
+        self._queue.put(_End(job_id, status, text, finish_reason, usage, error, written))
+        return written.wait(END_TIMEOUT_S) if wait else False
+
+    # --- this thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        stopping = False
+        while not stopping:
+            items = [self._queue.get()]
+            time.sleep(self.flush_s)  # let a few engine steps' tokens gather
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = None in items
+            try:
+                self._flush([item for item in items if item is not None])
+            except Exception:  # noqa: BLE001 - a bug here must not end streaming for the process
+                log.exception("stream publisher: flush failed")
+        log.info("stream publisher stopped")
+
+    def _flush(self, items: list[_Item]) -> None:
+        out: list[tuple[str, StreamEvent]] = []  # in order per job: start, deltas, end
+        ended: list[threading.Event] = []
+        try:
+            for item in items:
+                if isinstance(item, tuple):
+                    job_id, token_id = item
+                    run = self._runs.get(job_id)
+                    if run is not None:  # None: a run that already ended
+                        run.tokens.append(token_id)
+                        run.unread.append(token_id)
+                elif isinstance(item, _Begin):
+                    self._runs[item.job_id] = _Run(item.attempt, Detokenizer(
+                        self.tokenizer, stop=item.stop, stop_token_ids=item.stop_token_ids))
+                    out.append((item.job_id, StreamEvent(id="", kind=streams.START, attempt=item.attempt)))
+                else:
+                    ended.append(item.written)
+                    out += self._end(item)
+            for job_id, run in self._runs.items():
+                run.read()
+                delta = self._delta(run)
+                if delta is not None:
+                    out.append((job_id, delta))
+            if out:
+                self._write(out)
+        finally:
+            for written in ended:
+                written.set()
+
+    def _end(self, item: _End) -> list[tuple[str, StreamEvent]]:
+        run = self._runs.pop(item.job_id, None)
+        if run is None:
+            return []  # no `begin` for it: nothing was streamed, `follow` ends it from the hash
+        run.read()
+        if item.text is not None:
+            run.text += run.detokenizer.finish(item.text)
+        out = []
+        delta = self._delta(run, final=True)
+        if delta is not None:
+            out.append((item.job_id, delta))
+        out.append((item.job_id, StreamEvent(
+            id="", kind=streams.END, attempt=run.attempt, status=item.status, finish_reason=item.finish_reason,
+            usage=item.usage, error=item.error)))
+        return out
+
+    @staticmethod
+    def _delta(run: _Run, *, final: bool = False) -> Optional[StreamEvent]:
+        # Tokens whose text is held back wait for the delta that carries it; the last
+        # one carries whatever is left.
+        if not run.text and not (final and run.tokens):
+            return None
+        delta = StreamEvent(id="", kind=streams.DELTA, attempt=run.attempt, text=run.text, token_ids=run.tokens)
+        run.text, run.tokens = "", []
+        return delta
+
+    def _write(self, out: list[tuple[str, StreamEvent]]) -> None:
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                by_job: dict[str, list[StreamEvent]] = {}
+                for job_id, event in out:
+                    by_job.setdefault(job_id, []).append(event)
+                for job_id, events in by_job.items():
+                    streams.append(pipe, self.keys, job_id, events)
+                pipe.execute()
+        except redis.RedisError as exc:
+            # Dropped, not retried: a retry would reorder this batch after the next one.
+            log.warning("stream publisher: Redis write failed", extra={"events": len(out), "error": str(exc)})
