@@ -339,6 +339,12 @@ class EngineConfig:
     kernels: str = knob("auto", "KERNELS", choices=("auto", "triton", "torch"))
     #: Attention path: "paged" (the backend's paged kernel) or "sdpa" (gather + SDPA).
     attention: str = knob("paged", "ATTENTION", choices=("paged", "sdpa"))
+    #: While a higher class has work in the engine, lower classes' tokens ride along in a
+    #: step only while they make it at most this much longer than the higher class's
+    #: work alone (predicted from the engine's measured step times, step_cost.py). 0.25:
+    #: an online request's steps at most 25% slower while a batch runs; on a GPU, where
+    #: a decode token costs almost nothing, that is nearly no limit. `inf`: no guard.
+    priority_step_slack: float = knob(0.25, "PRIORITY_STEP_SLACK", float, lo=0)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

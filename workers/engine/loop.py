@@ -85,9 +85,16 @@ class StepLoop:
                 future.set_exception(e)
 
     def _step(self) -> None:
+        guarded, preempted = self.scheduler.guarded_steps, self.scheduler.num_priority_preemptions
         batch = self.scheduler.schedule()
+        metrics.PRIORITY_GUARDED_STEPS.inc(self.scheduler.guarded_steps - guarded)
+        metrics.PRIORITY_PREEMPTIONS.inc(self.scheduler.num_priority_preemptions - preempted)
         if batch.seqs:  # empty only when the one running sequence preempted itself
-            sampled = self.runner.run(batch)
+            started = time.perf_counter()
+            sampled = self.runner.run(batch)  # returns host tokens: the device is done
+            elapsed = time.perf_counter() - started
+            self.scheduler.step_cost.observe(batch.num_tokens, elapsed)
+            metrics.STEP_SECONDS.observe(elapsed)
             finished = self.scheduler.postprocess(batch, sampled)
             self._after_step(batch, sampled, finished)
         self._publish_stats()

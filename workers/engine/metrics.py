@@ -31,3 +31,15 @@ BATCH_SIZE = Histogram(
     "kvfleet_engine_batch_size_sequences", "Sequences computed together in one engine step",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+STEP_SECONDS = Histogram(
+    "kvfleet_engine_step_seconds", "Wall time of one engine step (the model's forward and sampling)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+PRIORITY_GUARDED_STEPS = Counter(
+    "kvfleet_engine_priority_guarded_steps",
+    "Steps in which lower classes' tokens were held back to keep a higher class's step short",
+)
+PRIORITY_PREEMPTIONS = Counter(
+    "kvfleet_engine_priority_preemptions",
+    "Lower-class sequences preempted so that a waiting higher-class one could run",
+)

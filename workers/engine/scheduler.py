@@ -9,7 +9,15 @@ budget allow, so prefills and decodes share one step (a mixed batch).
 When a decoding sequence needs a new block and none is free, the sequence last in
 service order (lowest priority, newest) is preempted: its blocks are released and it
 goes back to waiting with its tokens, to be recomputed later. Its full blocks stay in
-the pool as cache entries, so the recomputation is mostly prefix-cache hits.
+the pool as cache entries, so the recomputation is mostly prefix-cache hits. A waiting
+sequence that outranks the back of the running list and finds no slot or no blocks
+preempts it the same way: a batch line never keeps an online request out.
+
+Priority under batching: the best class with work (the lowest rank running or waiting)
+is scheduled first, running then waiting; lower classes then fill the step only with as
+many tokens as keep it within `priority_step_slack` of the best class's work alone
+(StepCost, learnt from the engine's own step times), and never fewer than one, so they
+are slowed, not starved. With one class in the engine there is no guard.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import dataclass
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.step_cost import StepCost
 
 
 @dataclass(frozen=True)
@@ -40,11 +49,18 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_ids: frozenset[int],
+        priority_step_slack: float = float("inf"),
+        step_cost: StepCost | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
+        self.priority_step_slack = priority_step_slack
+        #: Fed by the step loop with every step's tokens and seconds.
+        self.step_cost = step_cost or StepCost()
+        self.num_priority_preemptions = 0  # lower-class sequences preempted for a waiting better one
+        self.guarded_steps = 0  # steps in which the guard held lower-class tokens back
         # Both kept sorted by Sequence.sort_key: the front is served first, the back preempted first.
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -60,34 +76,72 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        counts: list[int] = []
-        preempted = False
+        self._preempt_for_waiting()
+        top = self._top_rank()
+        step = _Step(self.max_num_batched_tokens)
+        self._schedule_running(step, lambda seq: seq.priority_rank <= top)
+        self._admit_waiting(step, max_rank=top)
+        if self._has_lower(top):
+            step.lower_allowance = self.step_cost.extra_tokens(step.num_tokens, self.priority_step_slack)
+        self._schedule_running(step, lambda seq: seq.priority_rank > top)
+        self._admit_waiting(step, max_rank=None)
+        if step.held_back:
+            self.guarded_steps += 1
+        return ScheduledBatch(step.seqs, step.counts)
+
+    def _top_rank(self) -> int:
+        """The best class with work: it sets the pace of the step."""
+        ranks = [seq.priority_rank for seq in self.running[:1] + self.waiting[:1]]
+        return min(ranks, default=0)
+
+    def _has_lower(self, top: int) -> bool:
+        # Both lists are sorted by rank: their backs hold their lowest classes.
+        return any(seq.priority_rank > top for seq in self.running[-1:] + self.waiting[-1:])
+
+    def _schedule_running(self, step: "_Step", which) -> None:
         for seq in list(self.running):  # a copy: preemption removes from the back
-            if budget == 0:
-                break
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if step.budget == 0:
+                return
+            if seq.status != SequenceStatus.RUNNING or not which(seq):
+                continue  # preempted earlier in this step, or the other pass's
+            n = step.grant(seq, seq.num_uncomputed_tokens)
+            if n == 0:
+                continue  # the guard holds this lower-class sequence back for a step
             if not self._make_room(seq):
-                preempted = True
+                step.refund(seq, n)
+                step.preempted = True
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
+            step.add(seq, n)
+
+    def _admit_waiting(self, step: "_Step", max_rank: int | None) -> None:
         # No admissions after a preemption: blocks are short, and a new prompt would
         # only take what the preempted sequences need back.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not step.preempted and self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if max_rank is not None and seq.priority_rank > max_rank:
+                return
             if not self.block_manager.can_allocate(seq):
-                break  # head of line waits: admitting smaller ones behind it would starve it
+                return  # head of line waits: admitting smaller ones behind it would starve it
+            n = step.grant(seq, seq.num_uncomputed_tokens)
+            if n == 0:
+                return
             self._admit(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
-        return ScheduledBatch(seqs, counts)
+            # Admission may have found cached blocks: the chunk is what is left to compute.
+            used = min(n, seq.num_uncomputed_tokens)
+            step.refund(seq, n - used)
+            step.add(seq, used)
+
+    def _preempt_for_waiting(self) -> None:
+        """While the head of the waiting list outranks the back of the running list and
+        cannot be admitted (no slot, no blocks), preempt the back (recomputed later)."""
+        while self.waiting and self.running:
+            head, back = self.waiting[0], self.running[-1]
+            if head.priority_rank >= back.priority_rank:
+                return
+            if len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(head):
+                return
+            self._preempt(back)
+            self.num_priority_preemptions += 1
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Record a finished step; returns the sequences it finished (EOS, a stop token or length)."""
@@ -151,3 +205,37 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
+
+
+class _Step:
+    """One step being assembled: its sequences, their tokens, and what is left of the
+    step's token budget and of the lower classes' allowance (None: no allowance set)."""
+
+    def __init__(self, budget: int) -> None:
+        self.seqs: list[Sequence] = []
+        self.counts: list[int] = []
+        self.budget = budget
+        self.num_tokens = 0
+        self.lower_allowance: int | None = None
+        self.preempted = False
+        self.held_back = False
+
+    def grant(self, seq: Sequence, wanted: int) -> int:
+        """Tokens `seq` may compute in this step (0: none)."""
+        n = min(wanted, self.budget)
+        if self.lower_allowance is not None:
+            if self.lower_allowance < n:
+                self.held_back = True
+            n = min(n, self.lower_allowance)
+            self.lower_allowance -= n
+        return n
+
+    def refund(self, seq: Sequence, n: int) -> None:
+        if self.lower_allowance is not None:
+            self.lower_allowance += n
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.counts.append(n)
+        self.budget -= n
+        self.num_tokens += n
