@@ -7,6 +7,7 @@
     kvfleet batch status BATCH_ID
     kvfleet infra up|down|status        local Kafka (KRaft) and Redis
     kvfleet fleet up|down|status        API + scheduler + workers in the background
+    kvfleet status [--once]             workers, classes, tenants, the last minute, like `top`
     kvfleet demo                        submit sample jobs at all priorities, print results
     kvfleet api | scheduler | worker    run one service in the foreground
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -171,12 +173,29 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvfleet.settings import Settings
+    from kvfleet.snapshot import Collector
+    from kvfleet.status import watch
+
+    settings = Settings.from_env()
+    if args.redis_url:
+        settings = settings.replace(redis=dataclasses.replace(settings.redis, url=args.redis_url))
+    if args.kafka:
+        settings = settings.replace(kafka=dataclasses.replace(settings.kafka, bootstrap=args.kafka))
+    metrics = args.scheduler_metrics or [f"http://127.0.0.1:{settings.scheduler.metrics_port}/metrics"]
+    collector = Collector(settings, api_url=args.url or settings.api.base_url, scheduler_metrics=metrics)
+    return watch(collector, once=args.once, refresh_s=args.interval)
+
+
+#: Openings in the voice of the demo's model, builtin:english, which learnt English from
+#: fortune(6)'s quotations (scripts/train_english.py).
 DEMO_PROMPTS = [
-    ("high", "acme", "The fleet admits high priority first:"),
-    ("normal", "acme", "Paged attention stores keys and values in blocks"),
-    ("low", "globex", "A low priority job still runs, thanks to aging."),
-    ("high", "globex", "Kafka keeps every job until the scheduler commits it."),
-    ("normal", "globex", "Redis holds the results; poll them by job id."),
+    ("high", "acme", "The best way to"),
+    ("normal", "acme", "Life is"),
+    ("low", "globex", "A man who"),
+    ("high", "globex", "Never trust a"),
+    ("normal", "globex", "You will"),
     ("low", "acme", "Once upon a time"),
 ]
 
@@ -265,9 +284,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.set_defaults(func=cmd_fleet)
 
+    p = sub.add_parser("status", help="a live view of the fleet (workers, classes, tenants, last minute)")
+    p.add_argument("--once", action="store_true", help="print one frame, without terminal control codes, and exit")
+    p.add_argument("--url", default=None, help="the API's base URL (default: from KVFLEET_API_HOST/PORT)")
+    p.add_argument("--redis-url", default=None, help="the state Redis (default: KVFLEET_REDIS_URL)")
+    p.add_argument("--kafka", default=None, help="Kafka bootstrap servers (default: KVFLEET_KAFKA_BOOTSTRAP)")
+    p.add_argument("--scheduler-metrics", action="append", default=None, metavar="URL",
+                   help="a scheduler's /metrics (repeat for each replica; default: port KVFLEET_SCHEDULER_METRICS_PORT "
+                        "on this host)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    p.set_defaults(func=cmd_status)
+
     p = sub.add_parser("demo", help="submit sample jobs at the three priorities and print their results")
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_demo)
 

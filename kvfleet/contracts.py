@@ -194,6 +194,8 @@ class JobResult(msgspec.Struct, frozen=True):
     usage: Usage = Usage()
     timings: Timings = Timings()
     error: Optional[JobError] = None
+    #: The worker that started its last run (None until one did): which replica served it.
+    worker: Optional[str] = None
     v: int = SCHEMA_VERSION
 
 

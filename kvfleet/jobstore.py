@@ -120,6 +120,7 @@ def result_from_hash(job_id: str, fields: Mapping[bytes, bytes]) -> Optional[Job
         tenant=f["tenant"],
         priority=Priority(f["priority"]),
         timings=timings,
+        worker=f.get("worker"),
     )
 
 
@@ -205,7 +206,7 @@ class JobStore:
         result = JobResult(
             job_id=job_id, status=status, tenant=current.tenant, priority=current.priority,
             timings=msgspec.structs.replace(current.timings, finished_at=now),
-            error=JobError(code=code, message=message),
+            error=JobError(code=code, message=message), worker=current.worker,
         )
         return self.finish(result, lease_token=lease_token, only_from=only_from)
 

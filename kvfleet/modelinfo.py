@@ -9,6 +9,7 @@ directory's config.json and tokenizer.json (never its weights), plus its chat te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,21 +72,37 @@ class ModelInfo:
         return self.tokenizer.encode(text, add_special_tokens=self.chat.add_special_tokens)
 
 
+#: Checkpoints shipped inside the package under a built-in name: trained weights, read
+#: like any checkpoint directory. `builtin:english` is the demo's model
+#: (scripts/train_english.py made it; its training.json says how and how well).
+PACKAGED_DIR = Path(__file__).resolve().parent / "models"
+PACKAGED = ("english",)
+
+
+def packaged_path(source: str) -> Optional[Path]:
+    """The directory of a packaged checkpoint (`builtin:english`), or None."""
+    name = source.removeprefix(BUILTIN_PREFIX) if source.startswith(BUILTIN_PREFIX) else None
+    return PACKAGED_DIR / name if name in PACKAGED else None
+
+
 def load_model_info(source: str) -> ModelInfo:
     """"builtin:tiny", "builtin:bench", or a checkpoint directory (config.json and
     tokenizer.json; the weights are not read)."""
+    packaged = packaged_path(source)
+    if packaged is not None:
+        return dataclasses.replace(load_model_info(str(packaged)), name=source)
     if source.startswith(BUILTIN_PREFIX):
         size = source.removeprefix(BUILTIN_PREFIX)
         if size not in BUILTIN_CONFIGS:
             raise ValueError(f"unknown built-in model {source!r}; choose one of "
-                             f"{[BUILTIN_PREFIX + k for k in sorted(BUILTIN_CONFIGS)]}")
+                             f"{[BUILTIN_PREFIX + k for k in sorted([*BUILTIN_CONFIGS, *PACKAGED])]}")
         # The byte tokenizer's EOS (257) ends a built-in model's turn: no other stop ids.
         return ModelInfo(source, BUILTIN_CONFIGS[size], ByteTokenizer(), chat=builtin_chat_template())
     path = Path(source)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(
-            f"{config_file} not found: a model source is 'builtin:tiny', 'builtin:bench' or a "
+            f"{config_file} not found: a model source is 'builtin:tiny', 'builtin:bench', 'builtin:english' or a "
             "Hugging Face checkpoint directory with config.json, *.safetensors and tokenizer.json"
         )
     config = LlamaConfig.from_hf_dict(json.loads(config_file.read_text()))

@@ -371,6 +371,10 @@ class WorkerSettings:
     #: than this is delivered twice. So prefetch is 1 per thread, and the job's run
     #: lease (not this timeout) is what keeps two copies from both running.
     visibility_timeout_s: float = knob(300.0, "VISIBILITY_TIMEOUT_S", float, gt=0)
+    #: SIGTERM to exit: running jobs may finish this long, then they go back to their
+    #: queues for another worker (workers/drain.py). docker-compose.yml's worker
+    #: `stop_grace_period` is this plus a margin for the hand-back.
+    drain_grace_s: float = knob(30.0, "WORKER_DRAIN_GRACE_S", float, lo=0)
     #: Publish each job's text to its Redis Stream as it is generated (what
     #: `GET /v1/jobs/{id}/stream` relays). Off: streams show each job's text at its end.
     stream: bool = knob(True, "WORKER_STREAM", _bool)

@@ -7,6 +7,9 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$REPO"
+# The embedded English model (trained by scripts/train_english.py, shipped in the
+# package); builtin:tiny, the tests' model, has random weights and writes noise.
+export KVFLEET_MODEL="${KVFLEET_MODEL:-builtin:english}"
 "$KVFLEET_PY" -m kvfleet.cli infra up
 "$KVFLEET_PY" -m kvfleet.cli fleet up --workers "${KVFLEET_WORKERS:-1}"
 status=0

@@ -51,6 +51,7 @@ from kvfleet.contracts import (
 from kvfleet.jobstore import JobStore
 from kvfleet.ledger import Ledger
 from kvstore.lock import Lease
+from workers.drain import HandBack
 from workers.engine import RequestCancelled
 from workers.streaming import StreamPublisher
 
@@ -112,6 +113,10 @@ class RunWatch:
         with self._lock:
             self._jobs.discard(job_id)
 
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return sorted(self._jobs)
+
     def _loop(self) -> None:
         renew_every = max(1, int(self.lease_s / 3 / self.tick_s))  # a third of the lease, as the run lease
         for tick in itertools.count(1):
@@ -144,7 +149,8 @@ class RunWatch:
 class JobRunner:
     def __init__(self, store: JobStore, client: redis.Redis, engine: Generator, tokenizer: Tokenizer, *,
                  worker_id: str, lease_s: float = constants.RUN_LEASE_S, poll_s: float = 0.5,
-                 clock: Callable[[], float] = time.time, stream: Optional[StreamPublisher] = None) -> None:
+                 clock: Callable[[], float] = time.time, stream: Optional[StreamPublisher] = None,
+                 draining: Optional[threading.Event] = None) -> None:
         self.store = store
         self.client = client
         self.engine = engine
@@ -154,6 +160,9 @@ class JobRunner:
         self.poll_s = poll_s
         self.clock = clock
         self.stream = stream
+        #: Set when the worker drains (workers/drain.py): no new job starts, and a job
+        #: the engine cancels is handed back (HandBack), not reported as cancelled.
+        self.draining = draining or threading.Event()
         self.watch = RunWatch(store, Ledger(client, store.keys), engine.cancel, lease_s=lease_s)
 
     def run(self, raw: dict) -> Outcome:
@@ -171,6 +180,8 @@ class JobRunner:
             # Dispatched by a path that skipped the API (or the record expired): record it
             # so the job has a truthful state from here on.
             self.store.create(job)
+        if self.draining.is_set():
+            raise HandBack(f"worker {self.worker_id} is draining; job {job.job_id} goes back to its queue")
         lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)
         if not self._claim(job.job_id, lease):
             log.info("duplicate delivery; job already finished", extra={"job_id": job.job_id})
@@ -179,6 +190,10 @@ class JobRunner:
             return self._execute(job, lease)
         finally:
             lease.release()
+
+    def running_jobs(self) -> list[str]:
+        """The jobs this worker's engine is generating right now."""
+        return self.watch.jobs()
 
     def _claim(self, job_id: str, lease: Lease) -> bool:
         """Take the run lease; False if the job reached a terminal state meanwhile."""
@@ -223,6 +238,11 @@ class JobRunner:
                                               priority_rank=job.priority.rank, stop=tuple(job.sampling.stop),
                                               **({"on_token": on_token} if on_token is not None else {}))
         except RequestCancelled:
+            if self.draining.is_set() and self.store.state(job.job_id) == JobState.RUNNING:
+                # Cancelled by the drain's grace period, not by the client: another
+                # worker reruns it (run() releases the lease on the way out).
+                log.info("handed back", extra={"job_id": job.job_id})
+                raise HandBack(f"worker {self.worker_id} drained before job {job.job_id} finished") from None
             # The API already wrote `cancelled` and released the tokens; nothing to record.
             self._end_stream(job.job_id, JobState.CANCELLED, error=JobError("cancelled", "cancelled by the client"))
             log.info("cancelled", extra={"job_id": job.job_id})
@@ -284,4 +304,5 @@ class JobRunner:
             usage=Usage(prompt_tokens=c.prompt_tokens, completion_tokens=len(c.tokens), cached_tokens=c.cached_tokens),
             timings=msgspec.structs.replace(timings, started_at=c.started_at, first_token_at=c.first_token_at,
                                             finished_at=c.finished_at),
+            worker=self.worker_id,
         )

@@ -2,9 +2,11 @@
 
 Bootstrap, top to bottom: settings → model (loaded once) → engine (its step loop in a
 background thread) with the Redis cold tier as its block hooks → stream publisher → job runner → heartbeat → metrics endpoint → Celery worker loop
-(thread pool, high/normal/low queues in priority order). Celery's warm shutdown on
-SIGTERM lets running jobs finish; on SIGKILL their tasks stay unacknowledged and are
-redelivered after the visibility timeout.
+(thread pool, high/normal/low queues in priority order). On SIGTERM the worker drains
+(workers/drain.py): it takes no new task, withdraws its capacity at once, lets running
+jobs finish for KVFLEET_WORKER_DRAIN_GRACE_S and hands the rest back to their queues.
+On SIGKILL their tasks stay unacknowledged and are redelivered after the visibility
+timeout.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 
 import redis
+from celery.signals import worker_shutting_down
 from prometheus_client import start_http_server
 
 from kvfleet import constants, logs
@@ -26,6 +30,7 @@ from kvfleet.settings import Settings
 from kvstore.blob import Quant
 from kvstore.coldtier import ColdTier, connect
 from kvstore.hooks import ColdTierHooks
+from workers.drain import Drain
 from workers.engine import Engine
 from workers.heartbeat import Heartbeat
 from workers.model.loader import load_model
@@ -70,7 +75,9 @@ def main() -> None:
     client = redis.Redis.from_url(settings.redis.url)
     store = JobStore(client, settings.redis.keys)
     stream = StreamPublisher(client, settings.redis.keys, model.tokenizer).start() if settings.worker.stream else None
-    runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id, stream=stream)
+    draining = threading.Event()  # set on SIGTERM (workers/drain.py)
+    runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id, stream=stream,
+                       draining=draining)
 
     def snapshot() -> WorkerHeartbeat:
         return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens,
@@ -78,6 +85,11 @@ def main() -> None:
 
     heartbeat = Heartbeat(client, settings.redis.keys, worker_id, snapshot)
     heartbeat.start()
+    drain = Drain(settings.worker.drain_grace_s, withdraw=heartbeat.stop, running=runner.running_jobs,
+                  cancel=generator.cancel, draining=draining)
+    # Celery's warm shutdown (SIGTERM, or SIGINT) stops consuming and waits for the
+    # running tasks; the drain bounds that wait and withdraws the capacity meanwhile.
+    worker_shutting_down.connect(lambda **_: drain.begin(), weak=False)
     if settings.worker.metrics_port:
         start_http_server(settings.worker.metrics_port)
 

@@ -7,9 +7,11 @@ process by `workers.service`) owns the engine, the job store and the lease logic
 from __future__ import annotations
 
 from celery import Celery
+from celery.exceptions import Reject
 from prometheus_client import Counter
 
 from kvfleet import constants
+from workers.drain import HandBack
 from workers.runner import JobRunner
 
 TASKS = Counter("kvfleet_worker_tasks", "Celery task deliveries by outcome", ["outcome"])
@@ -18,6 +20,12 @@ TASKS = Counter("kvfleet_worker_tasks", "Celery task deliveries by outcome", ["o
 def register(app: Celery, runner: JobRunner) -> None:
     @app.task(name=constants.CELERY_TASK_NAME, acks_late=True, ignore_result=True)
     def run_job(raw: dict) -> str:
-        outcome = runner.run(raw)
+        try:
+            outcome = runner.run(raw)
+        except HandBack as exc:
+            # The worker drains (workers/drain.py): the broker puts the message back on
+            # its queue now, for another worker, instead of after the visibility timeout.
+            TASKS.labels("handed_back").inc()
+            raise Reject(str(exc), requeue=True) from None
         TASKS.labels(outcome.label).inc()
         return outcome.label

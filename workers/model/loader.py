@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 from kvfleet.modelconfig import LlamaConfig
-from kvfleet.modelinfo import BUILTIN_PREFIX, load_model_info
+from kvfleet.modelinfo import BUILTIN_PREFIX, load_model_info, packaged_path
 from kvfleet.tokenizer import Tokenizer
 from workers.model.llama import LlamaForCausalLM
 
@@ -38,7 +38,8 @@ class LoadedModel:
 
 
 def load_model(source: str, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """"builtin:tiny", "builtin:bench", or a checkpoint directory (config.json,
+    """"builtin:tiny", "builtin:bench" (seeded random weights), "builtin:english" (trained,
+    shipped in the package), or a checkpoint directory (config.json,
     *.safetensors, tokenizer.json). device "auto": cuda when available, else cpu;
     dtype "auto": bfloat16 on cuda, float32 on cpu."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
@@ -51,7 +52,10 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "auto") -> Loa
 
     info = load_model_info(source)
     tokenizer, config, name = info.tokenizer, info.config, info.name
-    if source.startswith(BUILTIN_PREFIX):
+    packaged = packaged_path(source)
+    if packaged is not None:  # builtin:english: trained weights shipped in the package
+        state, fingerprint = _checkpoint_weights(packaged, config)
+    elif source.startswith(BUILTIN_PREFIX):
         state, fingerprint = _builtin_weights(config)
     else:
         state, fingerprint = _checkpoint_weights(Path(source), config)
