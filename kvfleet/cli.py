@@ -32,9 +32,8 @@ def _result_line(r: JobResult) -> str:
     ttft = f"{(t.first_token_at - t.started_at) * 1000:.0f}ms" if t.first_token_at and t.started_at else "-"
     if r.error is not None:
         return f"{r.job_id} [{r.priority.value:<6}] {r.status.value}: {r.error.code}: {r.error.message}"
-    text = (r.text or "").replace("\n", "\\n")
     return (f"{r.job_id} [{r.priority.value:<6}] {r.status.value} tokens={r.usage.completion_tokens} "
-            f"ttft={ttft} total={latency} text={text[:60]!r}")
+            f"ttft={ttft} total={latency} text={(r.text or '')[:60]!r}")
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
