@@ -37,6 +37,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(predicate: Callable[[], T], what: str, timeout: float = 30.0, *, poll_s: float = 0.05,
+             details: Callable[[], str] = lambda: "") -> T:
+    """Poll `predicate` until it returns something true; that value. On timeout the
+    error says what was awaited, with `details()` (e.g. the fleet's logs)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"{what}: not within {timeout:.0f} s\n{details()}")
+
+
 class Fleet:
     def __init__(self, *, prefix: str, kafka: str, redis_url: str, cache_redis_url: str, log_dir: Path,
                  model: str = "builtin:tiny", extra_env: Optional[dict[str, str]] = None) -> None:
@@ -111,13 +124,7 @@ class Fleet:
 
     def wait_for(self, predicate: Callable[[], T], what: str, timeout: float = 30.0) -> T:
         """Poll `predicate` until it returns something true; that value."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.05)
-        raise TimeoutError(f"{what}: not within {timeout:.0f} s\n{self.logs()}")
+        return wait_for(predicate, what, timeout, details=self.logs)
 
     def fake_capacity(self, tokens: int, *, name: str = "fake", ttl_s: float = 600.0) -> None:
         """Publish a worker heartbeat without a worker: the scheduler sees `tokens` of

@@ -27,6 +27,7 @@ import redis
 
 from kvfleet import registry
 from kvfleet.constants import Keys
+from tests.fleet import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.docker
@@ -78,16 +79,6 @@ def compose():
         subprocess.run(["docker-compose", "down", "-v", "--timeout", "60"], cwd=ROOT, env=env, timeout=300)
 
 
-def _wait_for(predicate, what: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} not within {timeout:.0f}s")
-
-
 def _ready(url: str) -> bool:
     try:
         return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
@@ -101,8 +92,8 @@ def test_compose_fleet_scales_up_serves_on_every_worker_and_scales_down_losing_n
     state = redis.Redis(port=ports["REDIS"])
     keys = Keys("kvfleet")
     run("docker-compose", "up", "-d", "--scale", "worker=4")
-    _wait_for(lambda: _ready(url), "the API", timeout=300)
-    _wait_for(lambda: len(registry.live(state, keys)) == 4, "four live workers", timeout=300)
+    wait_for(lambda: _ready(url), "the API", timeout=300)
+    wait_for(lambda: len(registry.live(state, keys)) == 4, "four live workers", timeout=300)
 
     def submit(n: int, tag: str) -> list[str]:
         ids = []
@@ -117,7 +108,7 @@ def test_compose_fleet_scales_up_serves_on_every_worker_and_scales_down_losing_n
     def results(ids: list[str]) -> list[dict]:
         out = []
         for job_id in ids:
-            r = _wait_for(lambda: (x := httpx.get(f"{url}/v1/jobs/{job_id}?wait=10", headers={"X-Tenant-ID": "acme"},
+            r = wait_for(lambda: (x := httpx.get(f"{url}/v1/jobs/{job_id}?wait=10", headers={"X-Tenant-ID": "acme"},
                                                   timeout=30).json())["status"] in ("done", "failed", "expired")
                           and x, f"job {job_id}", timeout=600)
             out.append(r)
@@ -130,11 +121,11 @@ def test_compose_fleet_scales_up_serves_on_every_worker_and_scales_down_losing_n
 
     second = submit(40, "down")
     states = lambda: [state.hget(keys.job(j), "state") for j in second]  # noqa: E731
-    _wait_for(lambda: any(s in (b"running", b"done") for s in states()), "the second wave to start", timeout=120)
+    wait_for(lambda: any(s in (b"running", b"done") for s in states()), "the second wave to start", timeout=120)
     unfinished_at_scale_down = sum(s != b"done" for s in states())
     run("docker-compose", "up", "-d", "--scale", "worker=2")  # two workers get SIGTERM and drain
     assert unfinished_at_scale_down > 0, "the scale-down came after the wave had finished"
-    _wait_for(lambda: len(registry.live(state, keys)) == 2, "two live workers", timeout=120)
+    wait_for(lambda: len(registry.live(state, keys)) == 2, "two live workers", timeout=120)
     done = results(second)
     assert [r["status"] for r in done] == ["done"] * 40, "nothing lost in the scale-down"
     attempts = [int(state.hget(keys.job(j), "attempts")) for j in second]
