@@ -28,6 +28,7 @@ silver tenant with no quota that may use the whole fleet.
 from __future__ import annotations
 
 import enum
+import hashlib
 from pathlib import Path
 from typing import Annotated, Iterator, Mapping, Optional
 
@@ -61,6 +62,10 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: from `PolicyConfig`.
     share: Optional[Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]] = None
     api_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = []
+    #: Whose KV cache this tenant shares. None: its own alone (the default: a cache hit,
+    #: its latency or `cached_tokens` would tell one tenant what another sent). Tenants
+    #: naming the same namespace share their cached prefixes, e.g. a public system prompt.
+    cache_namespace: Optional[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]] = None
 
     @property
     def bucket_tokens(self) -> int:
@@ -150,3 +155,18 @@ class Tenancy:
     def get(self, name: str) -> Optional[Tenant]:
         """The tenant, or None when tenants are configured and this one is not."""
         return self.tenants.get(name)
+
+    def cache_salt(self, name: str) -> str:
+        """The root of the tenant's KV block-hash chains (workers/engine/block_manager.py):
+        its namespace's, derived here from the tenant the job belongs to and never from
+        anything a client sends, so no request can reach another namespace's blocks, in
+        the pool, the cold tier or the fleet-wide prefix single flight."""
+        tenant = self.tenants.get(name)
+        # Two name spaces, so that no configured namespace can equal a tenant's own.
+        shared = tenant.cache_namespace if tenant is not None else None
+        return cache_salt(f"shared:{shared}" if shared else f"tenant:{name}")
+
+
+def cache_salt(namespace: str) -> str:
+    """32 hex chars naming a KV-cache namespace; the same in every process."""
+    return hashlib.blake2b(namespace.encode(), digest_size=16, person=b"kvfleet-kv-ns").hexdigest()

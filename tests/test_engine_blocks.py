@@ -104,3 +104,28 @@ def _allocated(manager: BlockManager, s: Sequence) -> Sequence:
     assert manager.can_allocate(s)
     manager.allocate(s)
     return s
+
+
+def test_cache_namespaces_share_no_blocks():
+    # Equal prompts under two salts (two tenants' namespaces) hash apart: the second
+    # finds nothing cached; the same salt finds the whole prefix.
+    manager = BlockManager(num_blocks=16, block_size=BS, fingerprint="fp")
+    tokens = list(range(1, 13))  # three full blocks
+    salt_a, salt_b = "aa" * 16, "bb" * 16
+
+    def run(rid: str, salt: str | None) -> int:
+        s = Sequence(rid, tokens, 8, Sampling(), priority_rank=1, stop=(), ignore_eos=False, arrival_order=0,
+                     cache_salt=salt)
+        manager.allocate(s)
+        cached = s.num_computed_tokens
+        computed(manager, s)
+        manager.deallocate(s)
+        return cached
+
+    assert run("a1", salt_a) == 0
+    assert run("b1", salt_b) == 0  # another namespace: no hit, so no timing or cached_tokens signal
+    assert run("a2", salt_a) == 2 * BS  # its own: all but the last block (always recomputed)
+    assert run("none", None) == 0
+    assert manager.prefix_hashes(tokens, salt_a) != manager.prefix_hashes(tokens, salt_b)
+    assert manager.prefix_hashes(tokens, salt_a)[:2] == [manager.blocks[b].hash for b in
+                                                         manager.cached_block_ids(manager.prefix_hashes(tokens, salt_a))]

@@ -30,10 +30,12 @@ class PrefixSharing:
         self.tier = tier
         self.min_blocks = min_blocks
 
-    def prepare(self, job_id: str, prompt: Sequence[int]) -> PrefixSource | None:
-        """Make the prompt's prefix loadable; None when there was nothing to do."""
+    def prepare(self, job_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> PrefixSource | None:
+        """Make the prompt's prefix loadable in its cache namespace; None when there was
+        nothing to do. The single flight keys on the namespaced hashes, so it never
+        tells a job that another tenant prefilled the same prompt."""
         blocks = self.engine.block_manager
-        hashes = blocks.prefix_hashes(prompt)
+        hashes = blocks.prefix_hashes(prompt, cache_salt)
         if len(hashes) < self.min_blocks:
             return None
         # A hint read off the step thread (see BlockManager.cached_block_ids): if it says
@@ -41,13 +43,14 @@ class PrefixSharing:
         # recompute them; still correct).
         if len(blocks.cached_block_ids(hashes)) == len(hashes):
             return None
-        source = self.tier.ensure_prefix(hashes, lambda: self._prefill_and_store(job_id, prompt, hashes))
+        source = self.tier.ensure_prefix(hashes, lambda: self._prefill_and_store(job_id, prompt, hashes, cache_salt))
         log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes), "source": source.value})
         return source
 
-    def _prefill_and_store(self, job_id: str, prompt: Sequence[int], hashes: list[str]) -> None:
+    def _prefill_and_store(self, job_id: str, prompt: Sequence[int], hashes: list[str],
+                           cache_salt: str | None) -> None:
         # One token of output is the cheapest request that computes every prompt block.
-        self.engine.generate(f"{job_id}/prefix", prompt, 1, Sampling())
+        self.engine.generate(f"{job_id}/prefix", prompt, 1, Sampling(), cache_salt=cache_salt)
         # Copy on the step thread, where no step can reuse a block mid-copy; write here.
         items = self.engine.call_soon(lambda: self._copy(hashes)).result()
         self.tier.write(items)
@@ -65,13 +68,14 @@ class PrefixSharingEngine:
         self.sharing = sharing
 
     def generate(self, request_id: str, prompt_tokens: Sequence[int], max_new_tokens: int, sampling: Sampling, *,
-                 priority_rank: int = 1, stop: tuple[str, ...] = (), on_token: Callable[[int], None] | None = None):
+                 priority_rank: int = 1, stop: tuple[str, ...] = (), on_token: Callable[[int], None] | None = None,
+                 cache_salt: str | None = None):
         try:
-            self.sharing.prepare(request_id, prompt_tokens)
+            self.sharing.prepare(request_id, prompt_tokens, cache_salt)
         except Exception:  # noqa: BLE001 - the cold tier is an optimisation: never fail a job for it
             log.warning("shared-prefix step failed; prefilling locally", extra={"job_id": request_id}, exc_info=True)
         return self.engine.generate(request_id, prompt_tokens, max_new_tokens, sampling,
-                                    priority_rank=priority_rank, stop=stop, on_token=on_token)
+                                    priority_rank=priority_rank, stop=stop, on_token=on_token, cache_salt=cache_salt)
 
     def cancel(self, request_id: str) -> bool:
         return self.engine.cancel(request_id)

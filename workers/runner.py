@@ -63,7 +63,7 @@ class Generator(Protocol):
 
     def generate(self, request_id: str, prompt_tokens: list[int], max_new_tokens: int, sampling: Sampling, *,
                  priority_rank: int = 1, stop: tuple[str, ...] = (),
-                 on_token: Optional[Callable[[int], None]] = None) -> Completion: ...
+                 on_token: Optional[Callable[[int], None]] = None, cache_salt: Optional[str] = None) -> Completion: ...
 
     def cancel(self, request_id: str) -> bool:
         """Stop the request at the next step (`generate` raises RequestCancelled);
@@ -150,7 +150,8 @@ class JobRunner:
     def __init__(self, store: JobStore, client: redis.Redis, engine: Generator, tokenizer: Tokenizer, *,
                  worker_id: str, lease_s: float = constants.RUN_LEASE_S, poll_s: float = 0.5,
                  clock: Callable[[], float] = time.time, stream: Optional[StreamPublisher] = None,
-                 draining: Optional[threading.Event] = None) -> None:
+                 draining: Optional[threading.Event] = None,
+                 cache_salt: Optional[Callable[[str], str]] = None) -> None:
         self.store = store
         self.client = client
         self.engine = engine
@@ -163,6 +164,9 @@ class JobRunner:
         #: Set when the worker drains (workers/drain.py): no new job starts, and a job
         #: the engine cancels is handed back (HandBack), not reported as cancelled.
         self.draining = draining or threading.Event()
+        #: tenant -> the root of its KV block hashes (Tenancy.cache_salt): tenants share
+        #: cached prefixes only within a namespace. None: one namespace (tests of the runner).
+        self.cache_salt = cache_salt
         self.watch = RunWatch(store, Ledger(client, store.keys), engine.cancel, lease_s=lease_s)
 
     def run(self, raw: dict) -> Outcome:
@@ -236,7 +240,8 @@ class JobRunner:
             prompt = job.prompt_tokens if job.prompt_tokens is not None else self.tokenizer.encode(job.prompt or "")
             completion = self.engine.generate(job.job_id, prompt, job.max_new_tokens, job.sampling,
                                               priority_rank=job.priority.rank, stop=tuple(job.sampling.stop),
-                                              **({"on_token": on_token} if on_token is not None else {}))
+                                              **({"on_token": on_token} if on_token is not None else {}),
+                                              **({"cache_salt": self.cache_salt(job.tenant)} if self.cache_salt else {}))
         except RequestCancelled:
             if self.draining.is_set() and self.store.state(job.job_id) == JobState.RUNNING:
                 # Cancelled by the drain's grace period, not by the client: another

@@ -27,6 +27,7 @@ from kvfleet.celery_app import make_celery
 from kvfleet.contracts import WorkerHeartbeat
 from kvfleet.jobstore import JobStore
 from kvfleet.settings import Settings
+from kvfleet.tenancy import Tenancy
 from kvstore.blob import Quant
 from kvstore.coldtier import ColdTier, connect
 from kvstore.hooks import ColdTierHooks
@@ -77,7 +78,7 @@ def main() -> None:
     stream = StreamPublisher(client, settings.redis.keys, model.tokenizer).start() if settings.worker.stream else None
     draining = threading.Event()  # set on SIGTERM (workers/drain.py)
     runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id, stream=stream,
-                       draining=draining)
+                       draining=draining, cache_salt=Tenancy.from_settings(settings).cache_salt)
 
     def snapshot() -> WorkerHeartbeat:
         return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens,

@@ -2,7 +2,9 @@
 
 A full block is named by a chained hash of (parent block's hash, its tokens, model
 fingerprint), so equal prefixes get equal hash chains in every process of the fleet and
-for no other model. A block's hash is registered only after its K/V were computed (a
+for no other model. A sequence's chain starts from its `cache_salt` (its tenant's cache
+namespace, kvfleet/tenancy.py), so equal prompts of two namespaces share no block: no
+tenant can learn from a cache hit what another sent. A block's hash is registered only after its K/V were computed (a
 chunked prefill fills a block over several steps; sharing it earlier would serve
 unwritten slots). Blocks are ref-counted; when the last holder lets go, a hashed block
 stays in the pool as a free cache entry until it is reused, least recently freed first.
@@ -86,7 +88,7 @@ class BlockManager:
 
         lookup_limit = self._lookup_limit(seq)
         missing = [
-            MissingBlock(hashes[i], hashes[i - 1] if i else None,
+            MissingBlock(hashes[i], hashes[i - 1] if i else seq.cache_salt,
                          tuple(seq.block_tokens(i, self.block_size)), seq.block_table[i])
             for i in range(len(cached), lookup_limit)
         ]
@@ -130,21 +132,22 @@ class BlockManager:
         first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
         for i in range(first, seq.num_computed_tokens // self.block_size):
             if self.blocks[seq.block_table[i]].hash is None:
-                self._register(seq.block_table[i], hashes[i], hashes[i - 1] if i else None,
+                self._register(seq.block_table[i], hashes[i], hashes[i - 1] if i else seq.cache_salt,
                                tuple(seq.block_tokens(i, self.block_size)))
 
     # --- lookups for the shared-prefix step (workers/prefix.py) ------------------
 
-    def prefix_hashes(self, prompt_tokens: Seq[int]) -> list[str]:
+    def prefix_hashes(self, prompt_tokens: Seq[int], cache_salt: str | None = None) -> list[str]:
         """Chained hashes of the prompt's full blocks that a cache could serve (all but
-        the block holding the last token, whose logits are always computed).
+        the block holding the last token, whose logits are always computed), from the
+        namespace root `cache_salt`.
 
         Any thread: reads only block_size and fingerprint, fixed at construction.
         """
         bs = self.block_size
         hashes: list[str] = []
         for i in range((len(prompt_tokens) - 1) // bs):
-            hashes.append(block_hash(hashes[-1] if hashes else None, prompt_tokens[i * bs:(i + 1) * bs],
+            hashes.append(block_hash(hashes[-1] if hashes else cache_salt, prompt_tokens[i * bs:(i + 1) * bs],
                                      self.fingerprint))
         return hashes
 
@@ -171,7 +174,7 @@ class BlockManager:
         """Hashes of all of `seq`'s full blocks, extending the ones already computed."""
         while len(seq.block_hashes) < seq.num_tokens // self.block_size:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if i else None
+            parent = seq.block_hashes[-1] if i else seq.cache_salt
             seq.block_hashes.append(block_hash(parent, seq.block_tokens(i, self.block_size), self.fingerprint))
         return seq.block_hashes
 
@@ -191,7 +194,7 @@ class BlockManager:
             block = self.blocks[bid]
             # Compare what the hash stands for, so a collision never serves another prefix's K/V.
             if block.token_ids != tuple(seq.block_tokens(i, self.block_size)) or \
-                    block.parent_hash != (hashes[i - 1] if i else None):
+                    block.parent_hash != (hashes[i - 1] if i else seq.cache_salt):
                 break
             found.append(bid)
         return found

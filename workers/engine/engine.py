@@ -88,26 +88,30 @@ class Engine:
 
     def submit(self, request_id: str, prompt_tokens: Seq[int], max_new_tokens: int,
                sampling: Sampling = Sampling(), *, priority_rank: int = 1, stop: Seq[str] = (),
-               ignore_eos: bool = False, on_token: Callable[[int], None] | None = None) -> RequestHandle:
+               ignore_eos: bool = False, on_token: Callable[[int], None] | None = None,
+               cache_salt: str | None = None) -> RequestHandle:
         """Queue a request. Stop strings are `sampling.stop` and `stop` together;
         `ignore_eos` (benchmarks) generates exactly `max_new_tokens` unless a
         `sampling.stop_token_ids` token ends it. `on_token(token_id)` is called on the
         step thread with each new token, in order, before the result resolves: it must
-        be O(1) and never block (put it on a queue), or it stalls every request."""
+        be O(1) and never block (put it on a queue), or it stalls every request.
+        `cache_salt` (32 hex chars) roots its block hashes in a cache namespace: it
+        shares cached blocks only with requests of the same salt."""
         prompt = list(prompt_tokens)
         self._validate(prompt, max_new_tokens)
         stops = tuple(dict.fromkeys([*sampling.stop, *stop]))
         future = self._inbox.put(request_id, lambda arrival_order: Sequence(
             request_id, prompt, max_new_tokens, sampling, priority_rank=priority_rank, stop=stops,
-            ignore_eos=ignore_eos, arrival_order=arrival_order, on_token=on_token))
+            ignore_eos=ignore_eos, arrival_order=arrival_order, on_token=on_token, cache_salt=cache_salt))
         return RequestHandle(self, request_id, future)
 
     def generate(self, request_id: str, prompt_tokens: Seq[int], max_new_tokens: int,
                  sampling: Sampling = Sampling(), *, priority_rank: int = 1, stop: Seq[str] = (),
-                 ignore_eos: bool = False, on_token: Callable[[int], None] | None = None) -> Completion:
+                 ignore_eos: bool = False, on_token: Callable[[int], None] | None = None,
+                 cache_salt: str | None = None) -> Completion:
         """`submit` and wait for the result (or the error)."""
         return self.submit(request_id, prompt_tokens, max_new_tokens, sampling, priority_rank=priority_rank,
-                           stop=stop, ignore_eos=ignore_eos, on_token=on_token).result()
+                           stop=stop, ignore_eos=ignore_eos, on_token=on_token, cache_salt=cache_salt).result()
 
     def cancel(self, request_id: str) -> bool:
         """Ends the request at the next step (its waiter gets RequestCancelled); False if unknown or done."""

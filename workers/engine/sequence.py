@@ -31,6 +31,7 @@ class Sequence:
         ignore_eos: bool,
         arrival_order: int,
         on_token: Optional[Callable[[int], None]] = None,
+        cache_salt: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_tokens)  # prompt, then every generated token
@@ -50,6 +51,9 @@ class Sequence:
         #: Ended by one of `stop_token_ids`: that token stays in the tokens but not in the text.
         self.stopped_by_token = False
 
+        #: Root of its block-hash chain: its tenant's KV-cache namespace (None: the
+        #: engine used alone, as benchmarks and tests do).
+        self.cache_salt = cache_salt
         self.block_table: list[int] = []
         #: Chained hashes of the leading full blocks, computed once and kept across
         #: preemption (the tokens of a full block never change).
