@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def make_producer(kafka: KafkaSettings, *, client_id: str) -> KafkaProducer:
     return KafkaProducer(
-        bootstrap_servers=kafka.bootstrap,
+        **kafka.client_options,
         client_id=client_id,
         acks="all",
         retries=10,
@@ -34,7 +34,7 @@ def make_producer(kafka: KafkaSettings, *, client_id: str) -> KafkaProducer:
 
 def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int) -> KafkaConsumer:
     return KafkaConsumer(
-        bootstrap_servers=kafka.bootstrap,
+        **kafka.client_options,
         group_id=kafka.group,
         client_id=client_id,
         enable_auto_commit=False,
@@ -49,7 +49,7 @@ def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int
 
 
 def make_admin(kafka: KafkaSettings, *, client_id: str) -> KafkaAdminClient:
-    return KafkaAdminClient(bootstrap_servers=kafka.bootstrap, client_id=client_id)
+    return KafkaAdminClient(**kafka.client_options, client_id=client_id)
 
 
 def ensure_topics(kafka: KafkaSettings) -> None:

@@ -102,15 +102,16 @@ class RecentResults:
     finished within the last `window_s` seconds, reading only what is new since the
     previous call. No consumer group: it commits nothing and disturbs no one."""
 
-    def __init__(self, bootstrap: str, topic: str, *, window_s: float = 60.0) -> None:
+    def __init__(self, kafka_options: dict, topic: str, *, window_s: float = 60.0) -> None:
+        """`kafka_options`: KafkaSettings.client_options (bootstrap and security)."""
         self.topic = topic
         self.window_s = window_s
         self._consumer: Optional[KafkaConsumer] = None
-        self._bootstrap = bootstrap
+        self._options = kafka_options
         self._window: collections.deque[tuple[float, JobResult]] = collections.deque()
 
     def _assign(self, now: float) -> KafkaConsumer:
-        consumer = KafkaConsumer(bootstrap_servers=self._bootstrap, group_id=None, enable_auto_commit=False,
+        consumer = KafkaConsumer(**self._options, group_id=None, enable_auto_commit=False,
                                  client_id="kvfleet-status", request_timeout_ms=10_000)
         partitions = consumer.partitions_for_topic(self.topic)
         if not partitions:

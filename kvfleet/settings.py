@@ -99,6 +99,35 @@ class KafkaSettings:
     group: str = knob(constants.SCHEDULER_GROUP, "SCHEDULER_GROUP")
     #: Partitions per priority topic: the most scheduler replicas that share a class.
     partitions: int = knob(constants.PARTITIONS_PER_TOPIC, "KAFKA_PARTITIONS", int, lo=1)
+    # Authentication and encryption to the brokers (docs/operations.md), passed to every
+    # client kvfleet makes. PLAINTEXT is the local development broker's.
+    security_protocol: str = knob("PLAINTEXT", "KAFKA_SECURITY_PROTOCOL",
+                                  choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"))
+    sasl_mechanism: str = knob("PLAIN", "KAFKA_SASL_MECHANISM", choices=("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"))
+    sasl_username: str = knob("", "KAFKA_SASL_USERNAME")
+    sasl_password: str = knob("", "KAFKA_SASL_PASSWORD")
+    #: CA bundle that signed the brokers' certificates; empty: the system's.
+    ssl_cafile: str = knob("", "KAFKA_SSL_CAFILE")
+    #: A client certificate and key, for brokers that require mutual TLS.
+    ssl_certfile: str = knob("", "KAFKA_SSL_CERTFILE")
+    ssl_keyfile: str = knob("", "KAFKA_SSL_KEYFILE")
+
+    def __post_init__(self) -> None:
+        if self.security_protocol.startswith("SASL") and not (self.sasl_username and self.sasl_password):
+            raise ValueError(f"security_protocol={self.security_protocol} needs a user and a password "
+                             "(KVFLEET_KAFKA_SASL_USERNAME, KVFLEET_KAFKA_SASL_PASSWORD)")
+
+    @property
+    def client_options(self) -> dict:
+        """The connection options every kafka-python client of kvfleet takes."""
+        options: dict = {"bootstrap_servers": self.bootstrap, "security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL"):
+            options.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                           sasl_plain_password=self.sasl_password)
+        if self.security_protocol.endswith("SSL"):
+            options.update({k: v for k, v in (("ssl_cafile", self.ssl_cafile), ("ssl_certfile", self.ssl_certfile),
+                                              ("ssl_keyfile", self.ssl_keyfile)) if v})
+        return options
 
     @property
     def topics(self) -> list[str]:

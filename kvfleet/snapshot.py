@@ -128,7 +128,7 @@ class Collector:
         self.redis = redis.Redis.from_url(settings.redis.url, socket_timeout=5)
         self.http = httpx.Client(timeout=3.0)
         self.tenancy = Tenancy.from_settings(settings)
-        self.recent = RecentResults(settings.kafka.bootstrap, settings.kafka.results)
+        self.recent = RecentResults(settings.kafka.client_options, settings.kafka.results)
 
     def collect(self) -> Snapshot:
         now = time.time()

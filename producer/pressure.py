@@ -96,7 +96,7 @@ class Pressure:
     def _lag(self) -> tuple[dict[Priority, int], dict[Priority, int]]:
         """Per class: the group's committed offsets summed, and the backlog."""
         if self._admin is None:
-            self._admin = KafkaAdminClient(bootstrap_servers=self.kafka.bootstrap, client_id="kvfleet-api-lag")
+            self._admin = KafkaAdminClient(**self.kafka.client_options, client_id="kvfleet-api-lag")
         admin = self._admin
         partitions = [TopicPartition(t["name"], p["partition_index"])
                       for t in admin.describe_topics(self.kafka.topics) for p in t["partitions"]]

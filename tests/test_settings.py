@@ -49,3 +49,20 @@ def test_an_api_key_maps_to_one_tenant():
     assert parse_api_keys("k1:acme, k2:globex") == {"k1": "acme", "k2": "globex"}
     with pytest.raises(ValueError, match="twice"):
         parse_api_keys("k1:acme,k1:globex")
+
+
+def test_kafka_security_reaches_every_client_option():
+    plain = Settings.from_env({}).kafka.client_options
+    assert plain == {"bootstrap_servers": "127.0.0.1:19092", "security_protocol": "PLAINTEXT"}
+    sasl = Settings.from_env({"KVFLEET_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "KVFLEET_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+                              "KVFLEET_KAFKA_SASL_USERNAME": "kvfleet", "KVFLEET_KAFKA_SASL_PASSWORD": "s3cret",
+                              "KVFLEET_KAFKA_SSL_CAFILE": "/etc/kafka/ca.pem"}).kafka.client_options
+    assert sasl["sasl_mechanism"] == "SCRAM-SHA-512" and sasl["sasl_plain_username"] == "kvfleet"
+    assert sasl["sasl_plain_password"] == "s3cret" and sasl["ssl_cafile"] == "/etc/kafka/ca.pem"
+    with pytest.raises(ValueError, match="KVFLEET_KAFKA_SASL_USERNAME"):
+        Settings.from_env({"KVFLEET_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT"})
+    # The clients take these options as they are (kafka-python would refuse an unknown one).
+    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+
+    for client in (KafkaProducer, KafkaConsumer, KafkaAdminClient):
+        assert set(sasl) <= set(client.DEFAULT_CONFIG), (client, set(sasl) - set(client.DEFAULT_CONFIG))
