@@ -30,6 +30,12 @@ def make_celery(settings: Settings) -> Celery:
         task_ignore_result=True,  # results go to the job store, atomically with the state
         task_acks_late=True,
         task_reject_on_worker_lost=True,
+        # A task that raises was ended by the infrastructure, not by its job: the runner
+        # records every job outcome itself (done, failed, expired, handed back) and returns,
+        # and only an error it cannot record (the state Redis gone mid-run) escapes. Such a
+        # task is not acknowledged, so the broker delivers it again after the visibility
+        # timeout instead of dropping a job nobody finished. Celery's default acks it.
+        task_acks_on_failure_or_timeout=False,
         worker_prefetch_multiplier=1,
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
