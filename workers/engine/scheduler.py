@@ -104,11 +104,11 @@ class Scheduler:
                 return
             if seq.status != SequenceStatus.RUNNING or not which(seq):
                 continue  # preempted earlier in this step, or the other pass's
-            n = step.grant(seq, seq.num_uncomputed_tokens)
+            n = step.grant(seq.num_uncomputed_tokens)
             if n == 0:
                 continue  # the guard holds this lower-class sequence back for a step
             if not self._make_room(seq):
-                step.refund(seq, n)
+                step.refund(n)
                 step.preempted = True
                 continue
             step.add(seq, n)
@@ -122,13 +122,13 @@ class Scheduler:
                 return
             if not self.block_manager.can_allocate(seq):
                 return  # head of line waits: admitting smaller ones behind it would starve it
-            n = step.grant(seq, seq.num_uncomputed_tokens)
+            n = step.grant(seq.num_uncomputed_tokens)
             if n == 0:
                 return
             self._admit(seq)
             # Admission may have found cached blocks: the chunk is what is left to compute.
             used = min(n, seq.num_uncomputed_tokens)
-            step.refund(seq, n - used)
+            step.refund(n - used)
             step.add(seq, used)
 
     def _preempt_for_waiting(self) -> None:
@@ -220,8 +220,10 @@ class _Step:
         self.preempted = False
         self.held_back = False
 
-    def grant(self, seq: Sequence, wanted: int) -> int:
-        """Tokens `seq` may compute in this step (0: none)."""
+    def grant(self, wanted: int) -> int:
+        """Tokens a sequence that wants `wanted` may compute in this step (0: none):
+        bounded by the step's budget and, once set, taken from the lower classes'
+        allowance. `add` spends the budget."""
         n = min(wanted, self.budget)
         if self.lower_allowance is not None:
             if self.lower_allowance < n:
@@ -230,7 +232,8 @@ class _Step:
             self.lower_allowance -= n
         return n
 
-    def refund(self, seq: Sequence, n: int) -> None:
+    def refund(self, n: int) -> None:
+        """Give back granted tokens a sequence did not use (preempted, or found cached)."""
         if self.lower_allowance is not None:
             self.lower_allowance += n
 
