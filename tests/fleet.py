@@ -14,8 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
 import httpx
 import msgspec
@@ -189,3 +191,22 @@ class Fleet:
                 proc.kill()
                 proc.wait()
         self.redis.close()
+
+
+@contextmanager
+def running_fleet(infra: dict[str, str], redis_url: str, cache_redis_url: str, log_dir: Path, *,
+                  workers: int = 1, model: str = "builtin:tiny",
+                  extra_env: Optional[dict[str, str]] = None) -> Iterator[Fleet]:
+    """An API, a scheduler and `workers` workers under a fresh prefix, ready; stopped on
+    exit. For module-scoped fixtures (tests/conftest.py's `make_fleet` is per test)."""
+    fleet = Fleet(prefix=f"t{uuid.uuid4().hex[:10]}", kafka=infra["kafka"], redis_url=redis_url,
+                  cache_redis_url=cache_redis_url, log_dir=log_dir, model=model, extra_env=extra_env)
+    try:
+        fleet.start("api")
+        fleet.start("scheduler")
+        for _ in range(workers):
+            fleet.start("worker")
+        fleet.wait_ready(workers=workers)
+        yield fleet
+    finally:
+        fleet.stop()

@@ -7,12 +7,11 @@ import contextlib
 import io
 import json
 import signal
-import uuid
 
 import openai
 import pytest
 
-from tests.fleet import Fleet
+from tests.fleet import Fleet, running_fleet
 
 MODEL = "builtin:tiny"
 TENANTS = {"tenants": [
@@ -25,17 +24,11 @@ MAX_FILE_BYTES = 64 * 1024  # lowered so a test can go over it
 @pytest.fixture(scope="module")
 def fleet(local_infra, redis_url, cache_redis_url, tmp_path_factory):
     logs = tmp_path_factory.mktemp("batch")
-    fleet = Fleet(prefix=f"t{uuid.uuid4().hex[:10]}", kafka=local_infra["kafka"], redis_url=redis_url,
-                  cache_redis_url=cache_redis_url, log_dir=logs,
-                  extra_env={"KVFLEET_TENANTS": json.dumps(TENANTS), "KVFLEET_FILES_DIR": str(logs / "files"),
-                             "KVFLEET_FILES_MAX_BYTES": str(MAX_FILE_BYTES), "KVFLEET_BATCH_MIN_WINDOW_S": "1",
-                             "KVFLEET_BATCH_ORDER_WINDOW": "16", "KVFLEET_BATCH_MAX_IN_FLIGHT": "32"})
-    fleet.start("api")
-    fleet.start("scheduler")
-    fleet.start("worker")
-    fleet.wait_ready(workers=1)
-    yield fleet
-    fleet.stop()
+    with running_fleet(local_infra, redis_url, cache_redis_url, logs, extra_env={
+            "KVFLEET_TENANTS": json.dumps(TENANTS), "KVFLEET_FILES_DIR": str(logs / "files"),
+            "KVFLEET_FILES_MAX_BYTES": str(MAX_FILE_BYTES), "KVFLEET_BATCH_MIN_WINDOW_S": "1",
+            "KVFLEET_BATCH_ORDER_WINDOW": "16", "KVFLEET_BATCH_MAX_IN_FLIGHT": "32"}) as fleet:
+        yield fleet
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from kvfleet.modelinfo import load_model_info
 from kvfleet.chat import normalize_messages
-from tests.fleet import Fleet
+from tests.fleet import Fleet, running_fleet
 
 MODEL = "builtin:tiny"
 TENANTS = {"tenants": [
@@ -24,15 +24,9 @@ TENANTS = {"tenants": [
 
 @pytest.fixture(scope="module")
 def fleet(local_infra, redis_url, cache_redis_url, tmp_path_factory):
-    fleet = Fleet(prefix=f"t{uuid.uuid4().hex[:10]}", kafka=local_infra["kafka"], redis_url=redis_url,
-                  cache_redis_url=cache_redis_url, log_dir=tmp_path_factory.mktemp("openai"),
-                  extra_env={"KVFLEET_TENANTS": json.dumps(TENANTS)})
-    fleet.start("api")
-    fleet.start("scheduler")
-    fleet.start("worker")
-    fleet.wait_ready(workers=1)
-    yield fleet
-    fleet.stop()
+    with running_fleet(local_infra, redis_url, cache_redis_url, tmp_path_factory.mktemp("openai"),
+                       extra_env={"KVFLEET_TENANTS": json.dumps(TENANTS)}) as fleet:
+        yield fleet
 
 
 @pytest.fixture(scope="module")

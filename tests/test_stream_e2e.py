@@ -6,7 +6,6 @@ or missing text."""
 from __future__ import annotations
 
 import threading
-import uuid
 from typing import Callable, Optional
 
 import httpx
@@ -14,7 +13,7 @@ import msgspec
 import pytest
 
 from kvfleet.streams import DELTA, END, START, StreamEvent
-from tests.fleet import Fleet
+from tests.fleet import Fleet, running_fleet
 from workers.engine.stops import REPLACEMENT
 
 TENANT = {"X-Tenant-ID": "acme"}
@@ -82,14 +81,9 @@ def streams_open(fleet: Fleet) -> float:
 
 @pytest.fixture(scope="module")
 def fleet(local_infra, redis_url, cache_redis_url, tmp_path_factory):
-    fleet = Fleet(prefix=f"t{uuid.uuid4().hex[:10]}", kafka=local_infra["kafka"], redis_url=redis_url,
-                  cache_redis_url=cache_redis_url, log_dir=tmp_path_factory.mktemp("stream"), model="builtin:bench")
-    fleet.start("api")
-    fleet.start("scheduler")
-    fleet.start("worker")
-    fleet.wait_ready(workers=1)
-    yield fleet
-    fleet.stop()
+    with running_fleet(local_infra, redis_url, cache_redis_url, tmp_path_factory.mktemp("stream"),
+                       model="builtin:bench") as fleet:
+        yield fleet
 
 
 def test_deltas_concatenate_to_the_final_text(fleet):

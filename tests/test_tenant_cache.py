@@ -9,8 +9,9 @@ import json
 import httpx
 import pytest
 
-from kvfleet.tenancy import Tenancy, cache_salt
 from kvfleet.settings import Settings
+from kvfleet.tenancy import Tenancy, cache_salt
+from tests.fleet import running_fleet
 
 TENANTS = {"tenants": [
     {"name": "acme", "tier": "silver", "tokens_per_minute": 6_000_000},
@@ -32,22 +33,14 @@ def test_salts_follow_the_configured_namespace_never_the_name_alone():
 
 @pytest.fixture(scope="module")
 def fleet(local_infra, redis_url, cache_redis_url, tmp_path_factory):
-    import uuid
-
-    from tests.fleet import Fleet
-
-    fleet = Fleet(prefix=f"tc{uuid.uuid4().hex[:8]}", kafka=local_infra["kafka"], redis_url=redis_url,
-                  cache_redis_url=cache_redis_url, log_dir=tmp_path_factory.mktemp("tenant-cache"),
-                  # No fleet-wide prefix single flight here: it prefills a long prefix
-                  # before the job, which would make every first request report it
-                  # cached. The pool and the cold tier alone then show in cached_tokens;
-                  # the single flight keys on the same namespaced hashes (prefix_hashes).
-                  extra_env={"KVFLEET_TENANTS": json.dumps(TENANTS), "KVFLEET_PREFIX_SINGLE_FLIGHT_MIN_BLOCKS": "1000"})
-    for role in ("api", "scheduler", "worker"):
-        fleet.start(role)
-    fleet.wait_ready(workers=1)
-    yield fleet
-    fleet.stop()
+    # No fleet-wide prefix single flight here: it prefills a long prefix before the job,
+    # which would make every first request report it cached. The pool and the cold tier
+    # alone then show in cached_tokens; the single flight keys on the same namespaced
+    # hashes (prefix_hashes).
+    with running_fleet(local_infra, redis_url, cache_redis_url, tmp_path_factory.mktemp("tenant-cache"),
+                       extra_env={"KVFLEET_TENANTS": json.dumps(TENANTS),
+                                  "KVFLEET_PREFIX_SINGLE_FLIGHT_MIN_BLOCKS": "1000"}) as fleet:
+        yield fleet
 
 
 def cached_tokens(fleet, tenant: str) -> int:
