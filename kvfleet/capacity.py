@@ -1,10 +1,14 @@
-"""The fleet's capacity: the KV tokens of every worker that is alive right now.
+"""The fleet's capacity: the KV tokens and job slots of every worker alive right now.
 
 Each worker writes a `kvfleet.contracts.WorkerHeartbeat` (JSON) to
 `{prefix}:worker:{worker_id}` every third of WORKER_HEARTBEAT_TTL_S with that TTL
 (`workers/heartbeat.py` through `kvfleet/registry.py`), so a worker that stops
 heartbeating (crashed, partitioned, stopped) drops out of the sum within the TTL, with
 no cleanup needed. The scheduler budgets with it, the API reads it for its load check.
+
+Slots are the jobs a worker runs at once (its Celery task threads). The budget counts
+them beside tokens: a fleet with tokens to spare but every thread busy would otherwise
+admit jobs that only wait in the Celery queue, past their admission lease.
 """
 
 from __future__ import annotations
@@ -34,17 +38,28 @@ class FleetCapacity:
         # 200 ms reads the registry at most once per cache_s.
         self.cache_s = cache_s
         self._clock = clock
-        self._cached: Optional[tuple[float, int]] = None
+        self._cached: Optional[tuple[float, tuple[int, int]]] = None
 
     def heartbeats(self) -> list[WorkerHeartbeat]:
         return registry.live(self.client, self.keys)
 
     def read(self) -> int:
+        """KV tokens the live workers hold, capped by the ceiling."""
+        return self._read()[0]
+
+    def slots(self) -> int:
+        """Jobs the live workers run at once; 0 = no limit (a worker that does not
+        report its slots, from before they were counted)."""
+        return self._read()[1]
+
+    def _read(self) -> tuple[int, int]:
         now = self._clock()
         if self._cached is not None and now - self._cached[0] < self.cache_s:
             return self._cached[1]
-        total = sum(b.capacity_tokens for b in self.heartbeats())
+        beats = self.heartbeats()
+        tokens = sum(b.capacity_tokens for b in beats)
         if self.ceiling_tokens is not None:
-            total = min(total, self.ceiling_tokens)
-        self._cached = (now, total)
-        return total
+            tokens = min(tokens, self.ceiling_tokens)
+        slots = 0 if any(b.slots <= 0 for b in beats) else sum(b.slots for b in beats)
+        self._cached = (now, (tokens, slots))
+        return tokens, slots

@@ -256,13 +256,15 @@ def new_job_id() -> str:
 class WorkerHeartbeat(msgspec.Struct, frozen=True):
     """What each worker process publishes under `Keys.worker(id)` with a short TTL.
 
-    The scheduler sums `capacity_tokens` over live heartbeats to know the fleet's KV
-    budget; a worker that stops heartbeating drops out when its key expires. (Fields
+    The scheduler sums `capacity_tokens` and `slots` over live heartbeats to know the
+    fleet's budget in KV tokens and in jobs; a worker that stops heartbeating drops out when its key expires. (Fields
     that older workers also sent are ignored when read.)
     """
 
     worker_id: str
     capacity_tokens: int  # KV tokens the worker's block pool holds
+    #: Jobs it runs at once (its Celery task threads); 0 from older workers: unknown.
+    slots: int = 0
     #: The served model's name (what clients put in `model`) and its weights'
     #: fingerprint: `GET /v1/models` lists these. Empty from older workers.
     model: str = ""

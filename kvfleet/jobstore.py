@@ -221,13 +221,14 @@ class JobStore:
         return Transition(ok=bool(ok), previous=previous.decode() or None)
 
     def admit_many(self, jobs: Sequence[Admit], *, capacity: int, lease_s: float, now: float,
-                   by: str) -> list[Admitted]:
-        """Reserve and admit each job, in order, in one atomic call. A job already
-        admitted keeps (and extends) its reservation: admitting it again is how a lost
-        task is re-sent without counting its tokens twice."""
+                   by: str, max_jobs: int = 0) -> list[Admitted]:
+        """Reserve and admit each job, in order, in one atomic call, within `capacity`
+        tokens and (when > 0) `max_jobs` reservations in all. A job already admitted
+        keeps (and extends) its reservation: admitting it again is how a lost task is
+        re-sent without counting its tokens twice."""
         if not jobs:
             return []
-        keys, args = list(self._ledger_keys), [capacity, lease_s, repr(now), by]
+        keys, args = list(self._ledger_keys), [capacity, lease_s, repr(now), by, max_jobs]
         for job in jobs:
             keys += [self.keys.job(job.job_id), self.keys.job_events(job.job_id)]
             args += [job.job_id, job.tokens, f"{job.tenant} {job.priority.value}", "1" if job.revive else ""]

@@ -46,15 +46,16 @@ class Dispatcher:
         self.lease_s = lease_s
         self.replica = replica
 
-    def dispatch(self, tickets: Sequence[Ticket], *, capacity: int, now: float) -> Dispatched:
-        """Reserve, admit and send each ticket, in order. Raises on a Redis or broker
-        error; every step is idempotent, so the caller simply tries the tickets again."""
+    def dispatch(self, tickets: Sequence[Ticket], *, capacity: int, now: float, slots: int = 0) -> Dispatched:
+        """Reserve, admit and send each ticket, in order, within `capacity` tokens and
+        `slots` jobs (0 = no limit). Raises on a Redis or broker error; every step is
+        idempotent, so the caller simply tries the tickets again."""
         out = Dispatched()
         if not tickets:
             return out
         admits = [Admit(t.request.job_id, t.tokens, t.request.tenant, t.request.priority, t.revive) for t in tickets]
         for ticket, a in zip(tickets, self.store.admit_many(admits, capacity=capacity, lease_s=self.lease_s,
-                                                             now=now, by=self.replica)):
+                                                             now=now, by=self.replica, max_jobs=slots)):
             if a.reserved:
                 out.sent.append((ticket, a.previous))
             elif a.full:

@@ -27,3 +27,4 @@ LOOP_ERRORS = Counter("kvfleet_scheduler_loop_errors", "Loop iterations that fai
 ASSIGNED = Gauge("kvfleet_scheduler_assigned_partitions", "Partitions this replica owns (0 while it waits for a rebalance)")
 REJOINS = Counter("kvfleet_scheduler_rejoins", "Times the membership watchdog rejoined the consumer group")
 HOLDING = Gauge("kvfleet_scheduler_holding", "1 while the budget is held for a waiting job of this class", ["priority"])
+RECLAIMED = Counter("kvfleet_scheduler_reclaimed_jobs", "Jobs whose reservation lease ran out (worker died, task lost) and were sent again")

@@ -80,6 +80,10 @@ class Budget:
     in_use: int
     tenant_in_use: Mapping[str, int] = field(default_factory=dict)
     class_in_use: Mapping[Priority, int] = field(default_factory=dict)
+    #: Jobs the live workers run at once (0 = no limit), and jobs reserved now: a job
+    #: is admitted only into a free slot as well as into free tokens.
+    slots: int = 0
+    jobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,11 @@ class Room:
         self.unused_reserve = {t: max(0, r - self.tenant_in_use.get(t, 0)) for t, r in reserves.items()}
         # Negative when in use exceeds the capacity (a worker just died): nothing fits.
         self.shared = budget.capacity - budget.in_use - sum(self.unused_reserve.values())
+        self.free_slots: Optional[int] = budget.slots - budget.jobs if budget.slots > 0 else None
+
+    @property
+    def slots_left(self) -> bool:
+        return self.free_slots is None or self.free_slots > 0
 
     def free_for(self, tenant: str, *, shared: bool = True) -> int:
         return self.unused_reserve.get(tenant, 0) + (max(0, self.shared) if shared else 0)
@@ -125,6 +134,8 @@ class Room:
         if from_reserve:
             self.unused_reserve[job.tenant] -= from_reserve
         self.shared -= job.cost - from_reserve
+        if self.free_slots is not None:
+            self.free_slots -= 1
         self.tenant_in_use[job.tenant] = self.tenant_in_use.get(job.tenant, 0) + job.cost
         self.class_in_use[job.priority] = self.class_in_use.get(job.priority, 0) + job.cost
 
@@ -200,7 +211,7 @@ class Policy:
         admitted: list[PendingJob] = []
         holding: Optional[PendingJob] = None
         held_tenants: set[str] = set()  # their own tier limit is being held for one of their jobs
-        while True:
+        while room.slots_left:  # every worker thread taken: the rest waits for one
             candidates = [(self._rank(q[heads[p]], now, room), p) for p, q in queues.items() if heads[p] < len(q)]
             if not candidates:
                 break

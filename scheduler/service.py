@@ -296,18 +296,26 @@ class SchedulerService:
         if time.monotonic() < self._next_reclaim:
             return
         self._next_reclaim = time.monotonic() + RECLAIM_EVERY_S
-        for job_id in self.ledger.reclaim_expired():  # each id goes to exactly one replica
+        # Each id goes to exactly one replica, leased to it for one admission lease: if
+        # this replica fails before the send below, the lease runs out and the job is
+        # reclaimed again (kvfleet/ledger.py), by whichever replica is alive.
+        for job_id in self.ledger.reclaim_expired(self.settings.scheduler.admit_lease_s):
             request = self.store.request(job_id)
-            if request is not None:
-                request = self.tokenize(request)
-                self.resend[job_id] = Ticket(request, request.cost, revive=True)
-                log.warning("reservation lease expired; sending the job again", extra={"job_id": job_id})
+            if request is None:  # its record expired: nothing left to run
+                self.ledger.release(job_id)
+                log.warning("reservation without a job record; released", extra={"job_id": job_id})
+                continue
+            request = self.tokenize(request)
+            self.resend[job_id] = Ticket(request, request.cost, revive=True)
+            m.RECLAIMED.inc()
+            log.warning("reservation lease expired; sending the job again", extra={"job_id": job_id})
 
     def budget(self) -> Budget:
         if not self.policy.pending():
             return Budget(0, 0)  # nothing buffered to place: spare the two reads
         usage = self.ledger.usage()
-        return Budget(self.capacity.read(), usage.in_use, usage.by_tenant, usage.by_class)
+        return Budget(self.capacity.read(), usage.in_use, usage.by_tenant, usage.by_class,
+                      slots=self.capacity.slots(), jobs=usage.jobs)
 
     def dispatch(self, decision: Decision, now: float) -> None:
         """The jobs to send again first (they were admitted before), then the policy's choice."""
@@ -316,7 +324,7 @@ class SchedulerService:
         if not tickets:
             return
         try:
-            out = self.dispatcher.dispatch(tickets, capacity=self.capacity.read(), now=now)
+            out = self.dispatcher.dispatch(tickets, capacity=self.capacity.read(), slots=self.capacity.slots(), now=now)
         except _FAILURES:
             for w in chosen:  # all idempotent: they simply wait and go again
                 self.policy.requeue(w.job)

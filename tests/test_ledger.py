@@ -106,18 +106,42 @@ def test_no_over_admission_from_two_processes(redis_url, prefix):
     _assert_never_over(Ledger(redis_lib.Redis.from_url(redis_url), Keys(prefix)), granted)
 
 
-def test_reclaim_frees_expired_leases_only(redis_client, prefix):
+def test_reclaim_hands_out_expired_leases_only_and_keeps_the_reservation(redis_client, prefix):
     keys = Keys(prefix)
     store, ledger = JobStore(redis_client, keys), Ledger(redis_client, keys)
     _create(store, "dead", "alive")
     assert _admit(store, ("dead", 1_000), ("alive", 2_000), lease_s=10.0) == [True, True]
     until = redis_client.zscore(keys.ledger_leases, "dead")  # both: admitted in one call
     assert ledger.renew("alive", 60.0, now=until - 5)  # its worker keeps renewing
-    assert ledger.reclaim_expired(now=until - 0.1) == []
-    assert ledger.reclaim_expired(now=until + 1) == ["dead"]
-    assert ledger.in_use() == 2_000 and redis_client.hkeys(keys.ledger_meta) == [b"alive"]
-    assert not ledger.renew("dead", 60.0, now=until + 1)  # reclaimed: its worker learns it
-    assert ledger.reclaim_expired(now=until + 1) == []
+    assert ledger.reclaim_expired(30.0, now=until - 0.1) == []
+    assert ledger.reclaim_expired(30.0, now=until + 1) == ["dead"]
+    # Handed out, not freed: the reservation is the job's only durable pointer.
+    assert ledger.in_use() == 3_000 and sorted(redis_client.hkeys(keys.ledger_meta)) == [b"alive", b"dead"]
+    assert redis_client.zscore(keys.ledger_leases, "dead") == until + 31
+    assert ledger.reclaim_expired(30.0, now=until + 1) == []  # one caller per lease
+
+
+def test_a_reclaimed_job_whose_resend_was_lost_is_reclaimed_again(redis_client, prefix):
+    """Issue 13 #2: the scheduler that reclaimed a job crashed (or hit a Redis error)
+    before it sent the job again. The job must not be lost with that scheduler's memory."""
+    keys = Keys(prefix)
+    store, ledger = JobStore(redis_client, keys), Ledger(redis_client, keys)
+    _create(store, "orphan")
+    _admit(store, ("orphan", 500), lease_s=10.0)
+    until = redis_client.zscore(keys.ledger_leases, "orphan")
+    assert ledger.reclaim_expired(20.0, now=until + 1) == ["orphan"]  # ... and the caller dies here
+    assert ledger.reclaim_expired(20.0, now=until + 20) == []
+    assert ledger.reclaim_expired(20.0, now=until + 22) == ["orphan"]  # the next one takes it
+    assert ledger.in_use() == 500
+
+
+def test_release_drops_a_reservation_whose_job_is_gone(redis_client, prefix):
+    keys = Keys(prefix)
+    store, ledger = JobStore(redis_client, keys), Ledger(redis_client, keys)
+    _create(store, "gone")
+    _admit(store, ("gone", 500))
+    assert ledger.release("gone") and not ledger.release("gone")
+    assert ledger.in_use() == 0 and redis_client.zcard(keys.ledger_leases) == 0
 
 
 def test_reclaim_uses_redis_time_by_default(redis_client, prefix):
@@ -131,7 +155,7 @@ def test_reclaim_uses_redis_time_by_default(redis_client, prefix):
     while _redis_now(redis_client) <= short_until:  # the lease runs out on Redis's clock, not ours
         assert time.monotonic() < deadline, "Redis's clock did not pass the lease"
         time.sleep(0.01)
-    assert ledger.reclaim_expired() == ["short"]
+    assert ledger.reclaim_expired(60.0) == ["short"]
 
 
 def _redis_now(client: redis_lib.Redis) -> float:
@@ -166,7 +190,7 @@ def test_job_store_finish_releases_the_reservation(redis_client, prefix):
     assert redis_client.zscore(keys.ledger_leases, "job-1") is None
     assert redis_client.hkeys(keys.ledger_meta) == [b"job-2"]  # all three entries, at once
     assert ledger.usage().by_tenant == {"acme": 700}
-    assert ledger.reclaim_expired() == []  # nothing left to reclaim for it
+    assert ledger.reclaim_expired(60.0) == []  # nothing left to reclaim for it
 
 
 class _Collect:

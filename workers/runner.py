@@ -188,7 +188,7 @@ class JobRunner:
             raise HandBack(f"worker {self.worker_id} is draining; job {job.job_id} goes back to its queue")
         lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)
         if not self._claim(job.job_id, lease):
-            log.info("duplicate delivery; job already finished", extra={"job_id": job.job_id})
+            log.info("duplicate delivery; another copy finished or runs the job", extra={"job_id": job.job_id})
             return Outcome("duplicate", job.job_id)
         try:
             return self._execute(job, lease)
@@ -200,7 +200,15 @@ class JobRunner:
         return self.watch.jobs()
 
     def _claim(self, job_id: str, lease: Lease) -> bool:
-        """Take the run lease; False if the job reached a terminal state meanwhile."""
+        """Take the run lease; False if the job reached a terminal state meanwhile, or
+        another copy keeps running it for longer than its lease could outlive a crash.
+
+        The wait is bounded (issue 13 #5): a duplicate that waited for a live copy
+        would hold one of this worker's task threads for the whole job. Giving up is
+        safe: the running copy's own task stays unacknowledged until it ends, and its
+        ledger reservation stays until its finish, so if that copy dies after we left,
+        the scheduler reclaims the reservation and sends the job again."""
+        give_up_at = time.monotonic() + 2 * self.lease_ms / 1000
         while True:
             state = self.store.state(job_id)
             if state is not None and state.terminal:
@@ -213,8 +221,11 @@ class JobRunner:
                     lease.release()
                     return False
                 return True
+            if time.monotonic() >= give_up_at:
+                log.info("another copy keeps running the job; leaving it to that copy", extra={"job_id": job_id})
+                return False
             # Another copy runs it now. Wait: it either finishes (terminal) or dies and
-            # its lease expires, after which we take over.
+            # its lease expires (within one lease), after which we take over.
             time.sleep(self.poll_s)
 
     def _execute(self, job: JobRequest, lease: Lease) -> Outcome:

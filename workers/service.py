@@ -81,7 +81,7 @@ def main() -> None:
                        draining=draining, cache_salt=Tenancy.from_settings(settings).cache_salt)
 
     def snapshot() -> WorkerHeartbeat:
-        return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens,
+        return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens, slots=concurrency,
                                model=model.name, fingerprint=model.fingerprint, started_at=started_at)
 
     heartbeat = Heartbeat(client, settings.redis.keys, worker_id, snapshot)
