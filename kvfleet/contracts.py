@@ -196,6 +196,9 @@ class JobResult(msgspec.Struct, frozen=True):
     error: Optional[JobError] = None
     #: The worker that started its last run (None until one did): which replica served it.
     worker: Optional[str] = None
+    #: Runs started so far, this one included (0 until a worker started it). Above 1
+    #: the job was run again: its worker died, drained, or its engine faulted.
+    attempt: int = 0
     v: int = SCHEMA_VERSION
 
 

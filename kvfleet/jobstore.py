@@ -3,7 +3,8 @@
 Layout of `kvfleet:job:{job_id}` (a hash):
     state, tenant, priority, request (JobRequest JSON), result (JobResult JSON, once
     terminal), queued_at / admitted_at / started_at / finished_at (unix seconds),
-    attempts (times a worker started it), reply_to (only for a job that names one).
+    attempts (times a worker started it), faults (runs an engine fault ended),
+    reply_to (only for a job that names one).
 
 Every write is a Lua script that checks the current state against the allowed
 transitions first, so a duplicate delivery (a second "admit", a second "finish") finds
@@ -58,16 +59,17 @@ local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {0, ''} end
 if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return {0, cur} end
 redis.call('HSET', KEYS[1], 'state', ARGV[1])
+local attempts = 0
 for i = 4, #ARGV, 2 do
   if ARGV[i] == 'attempts' then
-    redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+    attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
   else
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
   end
 end
 if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 redis.call('PUBLISH', KEYS[2], ARGV[1])
-return {1, cur}
+return {1, cur, attempts}
 """
 
 # The one call that ends a job: result, final state, the release of the job's token
@@ -121,12 +123,14 @@ def result_from_hash(job_id: str, fields: Mapping[bytes, bytes]) -> Optional[Job
         priority=Priority(f["priority"]),
         timings=timings,
         worker=f.get("worker"),
+        attempt=int(f.get("attempts") or 0),
     )
 
 
 class Transition(msgspec.Struct, frozen=True):
     ok: bool
     previous: Optional[str]  # state before the call; None when the job does not exist
+    attempt: int = 0  # from `start`: the run it began (1 = the first)
 
 
 class Admit(msgspec.Struct, frozen=True):
@@ -174,7 +178,7 @@ class JobStore:
         args: list[Any] = [to_state.value, ttl, _sources(to_state)]
         for name, value in fields.items():
             args += [name, value if isinstance(value, (str, bytes)) else repr(value)]
-        ok, previous = self._transition(keys=[self.keys.job(job_id), self.keys.job_events(job_id)], args=args)
+        ok, previous, *_ = self._transition(keys=[self.keys.job(job_id), self.keys.job_events(job_id)], args=args)
         return Transition(ok=bool(ok), previous=previous.decode() or None)
 
     def finish(self, result: JobResult, *, lease_token: str = "",
@@ -206,19 +210,24 @@ class JobStore:
         result = JobResult(
             job_id=job_id, status=status, tenant=current.tenant, priority=current.priority,
             timings=msgspec.structs.replace(current.timings, finished_at=now),
-            error=JobError(code=code, message=message), worker=current.worker,
+            error=JobError(code=code, message=message), worker=current.worker, attempt=current.attempt,
         )
         return self.finish(result, lease_token=lease_token, only_from=only_from)
 
     def start(self, job_id: str, *, now: float, worker: str) -> Transition:
         """Mark the job running (again, on a takeover after a worker died) and count the
         attempt. The only transition that may repeat its own state."""
-        ok, previous = self._transition(
+        ok, previous, *attempt = self._transition(
             keys=[self.keys.job(job_id), self.keys.job_events(job_id)],
             args=[JobState.RUNNING.value, 0, "queued,admitted,running", "started_at", repr(now),
                   "worker", worker, "attempts", "1"],
         )
-        return Transition(ok=bool(ok), previous=previous.decode() or None)
+        return Transition(ok=bool(ok), previous=previous.decode() or None, attempt=int(attempt[0]) if attempt else 0)
+
+    def count_fault(self, job_id: str) -> int:
+        """Count a run of the job that an infrastructure fault ended (its engine raised);
+        the count so far. Bounds how often a job is retried elsewhere."""
+        return int(self.client.hincrby(self.keys.job(job_id), "faults", 1))
 
     def admit_many(self, jobs: Sequence[Admit], *, capacity: int, lease_s: float, now: float,
                    by: str, max_jobs: int = 0) -> list[Admitted]:

@@ -407,6 +407,14 @@ class WorkerSettings:
     #: Publish each job's text to its Redis Stream as it is generated (what
     #: `GET /v1/jobs/{id}/stream` relays). Off: streams show each job's text at its end.
     stream: bool = knob(True, "WORKER_STREAM", _bool)
+    #: Runs of one job an engine fault may end before the job fails (`worker_error`).
+    #: Until then each faulted run goes back to its queue for any worker to run again;
+    #: an input error fails at once.
+    max_job_faults: int = knob(3, "WORKER_MAX_JOB_FAULTS", int, lo=1)
+    #: Engine steps that raise in a row before the worker calls itself unhealthy:
+    #: it withdraws its capacity, hands its jobs back and exits non-zero for its
+    #: supervisor to start a fresh process (a CUDA error does not heal in place).
+    unhealthy_after_faults: int = knob(3, "WORKER_UNHEALTHY_AFTER_FAULTS", int, lo=1)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,10 @@ from workers.streaming import StreamPublisher
 log = logging.getLogger("kvfleet.worker")
 
 
+class FaultedRun(HandBack):
+    """An engine fault ended this run of the job: requeue its task for another run."""
+
+
 class Generator(Protocol):
     """What the runner needs from the engine."""
 
@@ -151,7 +155,8 @@ class JobRunner:
                  worker_id: str, lease_s: float = constants.RUN_LEASE_S, poll_s: float = 0.5,
                  clock: Callable[[], float] = time.time, stream: Optional[StreamPublisher] = None,
                  draining: Optional[threading.Event] = None,
-                 cache_salt: Optional[Callable[[str], str]] = None) -> None:
+                 cache_salt: Optional[Callable[[str], str]] = None, max_job_faults: int = 3,
+                 on_fault: Callable[[], object] = lambda: None) -> None:
         self.store = store
         self.client = client
         self.engine = engine
@@ -167,6 +172,10 @@ class JobRunner:
         #: tenant -> the root of its KV block hashes (Tenancy.cache_salt): tenants share
         #: cached prefixes only within a namespace. None: one namespace (tests of the runner).
         self.cache_salt = cache_salt
+        #: Runs of one job that engine faults may end before it fails, and the worker's
+        #: health check, told of every fault (workers/health.py).
+        self.max_job_faults = max_job_faults
+        self.on_fault = on_fault
         self.watch = RunWatch(store, Ledger(client, store.keys), engine.cancel, lease_s=lease_s)
 
     def run(self, raw: dict) -> Outcome:
@@ -269,16 +278,11 @@ class JobRunner:
                             lease_token=lease.token)
             log.warning("rejected by engine", extra={"job_id": job.job_id, "error": str(exc)})
             return Outcome("failed", job.job_id)
-        except Exception as exc:  # noqa: BLE001 - any engine fault must end the job truthfully
-            message = f"{type(exc).__name__}: {exc}"
-            self._end_stream(job.job_id, JobState.FAILED, error=JobError("worker_error", message))
-            self.store.fail(job.job_id, JobState.FAILED, "worker_error", message,
-                            now=self.clock(), lease_token=lease.token)
-            log.exception("engine error", extra={"job_id": job.job_id})
-            return Outcome("failed", job.job_id)
+        except Exception as exc:  # noqa: BLE001 - an engine fault (StepFailed, a device error), not the job's
+            return self._faulted(job, lease, exc, started.attempt)
         finally:
             self.watch.discard(job.job_id)
-        result = self._result(job, completion)
+        result = self._result(job, completion, started.attempt)
         # The stream's last text and its end before the result: see the module docstring.
         self._end_stream(job.job_id, JobState.DONE, text=result.text, finish_reason=result.finish_reason,
                          usage=result.usage)
@@ -311,7 +315,26 @@ class JobRunner:
         if self.stream is not None:
             self.stream.end(job_id, status, **fields)
 
-    def _result(self, job: JobRequest, c: Completion) -> JobResult:
+    def _faulted(self, job: JobRequest, lease: Lease, exc: Exception, attempt: int) -> Outcome:
+        """An infrastructure fault ended this run: the job is not to blame, so it goes
+        back to its queue for any worker (`FaultedRun`), up to `max_job_faults` runs;
+        then it fails, with the count in its error."""
+        message = f"{type(exc).__name__}: {exc}"
+        faults = self.store.count_fault(job.job_id)
+        self.on_fault()
+        if faults < self.max_job_faults:
+            log.warning("engine fault; the job goes back to its queue",
+                        extra={"job_id": job.job_id, "attempt": attempt, "faults": faults, "error": message})
+            raise FaultedRun(f"engine fault in run {attempt} of job {job.job_id}: {message}") from exc
+        message = (f"{message} (engine faults ended {faults} runs of this job, the limit "
+                   f"KVFLEET_WORKER_MAX_JOB_FAULTS; the last was attempt {attempt})")
+        self._end_stream(job.job_id, JobState.FAILED, error=JobError("worker_error", message))
+        self.store.fail(job.job_id, JobState.FAILED, "worker_error", message, now=self.clock(), lease_token=lease.token)
+        log.error("engine fault; job failed", extra={"job_id": job.job_id, "attempt": attempt, "faults": faults},
+                  exc_info=exc)
+        return Outcome("failed", job.job_id)
+
+    def _result(self, job: JobRequest, c: Completion, attempt: int) -> JobResult:
         current = self.store.get(job.job_id)
         timings = current.timings if current is not None else Timings(queued_at=job.submitted_at)
         return JobResult(
@@ -320,5 +343,5 @@ class JobRunner:
             usage=Usage(prompt_tokens=c.prompt_tokens, completion_tokens=len(c.tokens), cached_tokens=c.cached_tokens),
             timings=msgspec.structs.replace(timings, started_at=c.started_at, first_token_at=c.first_token_at,
                                             finished_at=c.finished_at),
-            worker=self.worker_id,
+            worker=self.worker_id, attempt=attempt,
         )

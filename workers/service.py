@@ -5,7 +5,8 @@ background thread) with the Redis cold tier as its block hooks → stream publis
 (thread pool, high/normal/low queues in priority order). On SIGTERM the worker drains
 (workers/drain.py): it takes no new task, withdraws its capacity at once, lets running
 jobs finish for KVFLEET_WORKER_DRAIN_GRACE_S and hands the rest back to their queues.
-On SIGKILL their tasks stay unacknowledged and are redelivered after the visibility
+A worker whose engine faults in every step does the same by itself and exits with
+status 3 (workers/health.py). On SIGKILL their tasks stay unacknowledged and are redelivered after the visibility
 timeout.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -33,6 +35,7 @@ from kvstore.coldtier import ColdTier, connect
 from kvstore.hooks import ColdTierHooks
 from workers.drain import Drain
 from workers.engine import Engine
+from workers.health import EngineHealth
 from workers.heartbeat import Heartbeat
 from workers.model.loader import load_model
 from workers.prefix import PrefixSharing, PrefixSharingEngine
@@ -77,8 +80,18 @@ def main() -> None:
     store = JobStore(client, settings.redis.keys)
     stream = StreamPublisher(client, settings.redis.keys, model.tokenizer).start() if settings.worker.stream else None
     draining = threading.Event()  # set on SIGTERM (workers/drain.py)
+    drain: Drain  # built below, once the heartbeat it withdraws exists
+
+    def unhealthy() -> None:
+        # Drain at once (withdraw the capacity, start nothing new, hand back what runs),
+        # and ask Celery for its warm shutdown, as SIGTERM would; main exits non-zero.
+        drain.begin()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    health = EngineHealth(engine.stats, settings.worker.unhealthy_after_faults, unhealthy)
     runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id, stream=stream,
-                       draining=draining, cache_salt=Tenancy.from_settings(settings).cache_salt)
+                       draining=draining, cache_salt=Tenancy.from_settings(settings).cache_salt,
+                       max_job_faults=settings.worker.max_job_faults, on_fault=health.check)
 
     def snapshot() -> WorkerHeartbeat:
         return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens, slots=concurrency,
@@ -112,7 +125,9 @@ def main() -> None:
             stream.close()  # writes what the last steps queued
         if hooks.tier is not None:
             hooks.tier.close()  # drains the spill queue
-        log.info("worker stopped", extra={"worker_id": worker_id})
+        log.info("worker stopped", extra={"worker_id": worker_id, "unhealthy": health.unhealthy.is_set()})
+        if health.unhealthy.is_set():
+            raise SystemExit(3)  # for the supervisor: restart this process, it is sick
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from prometheus_client import Counter
 
 from kvfleet import constants
 from workers.drain import HandBack
-from workers.runner import JobRunner
+from workers.runner import FaultedRun, JobRunner
 
 TASKS = Counter("kvfleet_worker_tasks", "Celery task deliveries by outcome", ["outcome"])
 
@@ -23,9 +23,10 @@ def register(app: Celery, runner: JobRunner) -> None:
         try:
             outcome = runner.run(raw)
         except HandBack as exc:
-            # The worker drains (workers/drain.py): the broker puts the message back on
-            # its queue now, for another worker, instead of after the visibility timeout.
-            TASKS.labels("handed_back").inc()
+            # The worker drains (workers/drain.py), or an engine fault ended the run: the
+            # broker puts the message back on its queue now, for another worker (or
+            # another run here), instead of after the visibility timeout.
+            TASKS.labels("faulted" if isinstance(exc, FaultedRun) else "handed_back").inc()
             raise Reject(str(exc), requeue=True) from None
         TASKS.labels(outcome.label).inc()
         return outcome.label

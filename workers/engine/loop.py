@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 
+from kvfleet import failpoints
 from kvfleet.contracts import Completion
 from kvfleet.tokenizer import Tokenizer
 from workers.engine import metrics
@@ -41,6 +42,7 @@ class StepLoop:
         self._watches: dict[str, StopWatch] = {}  # request id -> its stop strings, for requests that have some
         self._steps = self._tokens_computed = self._generated = self._last_batch = self._max_batch = 0
         self._published_queries = self._published_hits = 0
+        self._step_faults = self._consecutive_faults = 0
         #: Replaced, never changed, after every step: any thread may read it.
         self.stats: EngineStats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
@@ -63,7 +65,12 @@ class StepLoop:
                 self._admit(work)
                 try:
                     self._step()
+                    self._consecutive_faults = 0
                 except Exception as e:  # the model or a hook failed: fail what is in flight, keep serving
+                    self._step_faults += 1
+                    self._consecutive_faults += 1
+                    metrics.STEP_FAULTS.inc()
+                    self._publish_stats()  # before the failures: a caller that sees one sees the count
                     self._fail_in_flight(e)
         finally:  # however the loop ends, no caller is left waiting
             log.info("engine loop stopped")
@@ -91,6 +98,7 @@ class StepLoop:
         metrics.PRIORITY_PREEMPTIONS.inc(self.scheduler.num_priority_preemptions - preempted)
         if batch.seqs:  # empty only when the one running sequence preempted itself
             started = time.perf_counter()
+            failpoints.hit("engine.step")  # a fault injected by tests and chaos runs (kvfleet/failpoints.py)
             sampled = self.runner.run(batch)  # returns host tokens: the device is done
             elapsed = time.perf_counter() - started
             self.scheduler.step_cost.observe(batch.num_tokens, elapsed)
@@ -190,4 +198,5 @@ class StepLoop:
             tokens_computed=self._tokens_computed, generated_tokens=self._generated,
             preemptions=sch.num_preemptions, steps=self._steps,
             last_batch_size=self._last_batch, max_batch_size=self._max_batch,
+            step_faults=self._step_faults, consecutive_step_faults=self._consecutive_faults,
         )

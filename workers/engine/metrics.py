@@ -43,3 +43,4 @@ PRIORITY_PREEMPTIONS = Counter(
     "kvfleet_engine_priority_preemptions",
     "Lower-class sequences preempted so that a waiting higher-class one could run",
 )
+STEP_FAULTS = Counter("kvfleet_engine_step_faults", "Engine steps that raised (the model or a hook); their requests were failed")

@@ -26,3 +26,7 @@ class EngineStats:
     steps: int
     last_batch_size: int  # sequences in the last step
     max_batch_size: int  # most sequences in one step so far
+    step_faults: int = 0  # steps that raised (the model, a hook), in all
+    #: Steps that raised in a row, up to now (0 after a good step): a worker whose
+    #: engine keeps faulting is unhealthy (workers/health.py).
+    consecutive_step_faults: int = 0
