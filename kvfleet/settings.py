@@ -263,6 +263,9 @@ class SchedulerSettings:
     #: stuck (a healthy rebalance takes about a session timeout, 10 s): it rejoins the
     #: group, and exits for its supervisor to restart it if that fails too.
     rejoin_after_s: float = knob(60.0, "SCHEDULER_REJOIN_AFTER_S", float, gt=0)
+    #: A replica that owns no partition while the group's lag has not gone down for this
+    #: long is unhealthy (`/healthz` 503, scheduler/health.py) and rejoins the group.
+    idle_lag_window_s: float = knob(30.0, "SCHEDULER_IDLE_LAG_S", float, gt=0)
 
 
 @dataclass(frozen=True)

@@ -28,3 +28,4 @@ ASSIGNED = Gauge("kvfleet_scheduler_assigned_partitions", "Partitions this repli
 REJOINS = Counter("kvfleet_scheduler_rejoins", "Times the membership watchdog rejoined the consumer group")
 HOLDING = Gauge("kvfleet_scheduler_holding", "1 while the budget is held for a waiting job of this class", ["priority"])
 RECLAIMED = Counter("kvfleet_scheduler_reclaimed_jobs", "Jobs whose reservation lease ran out (worker died, task lost) and were sent again")
+IDLE_WITH_LAG = Gauge("kvfleet_scheduler_idle_with_lag", "1 while this replica owns no partition and the group's lag does not go down (/healthz is 503)")

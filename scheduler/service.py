@@ -41,7 +41,6 @@ import redis
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import CommitFailedError, KafkaError
-from prometheus_client import start_http_server
 
 from kvfleet import logs
 from kvfleet.capacity import FleetCapacity
@@ -55,6 +54,7 @@ from kvfleet.settings import Settings
 from kvfleet.tenancy import Tenancy
 from scheduler import metrics as m
 from scheduler.dispatch import Dispatcher, Ticket
+from scheduler.health import IdleWithLag, serve
 from scheduler.intake import Rejected, Tokenize, decode_record, dlq_headers, job_id_hint
 from scheduler.offsets import OffsetBook, Revocations
 from scheduler.policy import Budget, Decision, PendingJob, Policy, Verdict
@@ -64,6 +64,8 @@ log = logging.getLogger("kvfleet.scheduler")
 #: Leases are seconds long, and a reclaim scans the ledger: once a second is enough.
 RECLAIM_EVERY_S = 1.0
 OBSERVE_EVERY_S = 1.0
+#: The idle-with-lag check reads the whole group's offsets (two Kafka round trips).
+HEALTH_EVERY_S = 2.0
 #: A synchronous commit costs a Kafka round trip (ms); under load, one per this many
 #: seconds. A crash then re-reads at most this much of decided records, which intake
 #: recognises by their state. When the topics are quiet, commits go out at once.
@@ -93,7 +95,8 @@ class Waiting:
 class SchedulerService:
     def __init__(self, settings: Settings, consumer: KafkaConsumer, dlq_producer: KafkaProducer,
                  dispatcher: Dispatcher, ledger: Ledger, capacity: FleetCapacity, tenancy: Tenancy,
-                 tokenize: Callable[[JobRequest], JobRequest], *, relay: Optional[ResultRelay] = None) -> None:
+                 tokenize: Callable[[JobRequest], JobRequest], *, relay: Optional[ResultRelay] = None,
+                 group_offsets: Callable[[], dict[TopicPartition, int]] = dict) -> None:
         self.settings = settings
         self.consumer = consumer
         self.dlq = dlq_producer
@@ -114,7 +117,12 @@ class SchedulerService:
         self._rejoined = False  # the membership watchdog rejoined once since the last assignment
         self._priority_of = {t: p for t, p in zip(settings.kafka.topics, Priority)}
         self._topic_of = {p: t for t, p in self._priority_of.items()}
-        self._next_reclaim = self._next_observe = self._next_commit = 0.0
+        self._next_reclaim = self._next_observe = self._next_commit = self._next_health = 0.0
+        #: The group's committed offsets, every partition (for the idle-with-lag check).
+        self.group_offsets = group_offsets
+        self.idle = IdleWithLag(settings.scheduler.idle_lag_window_s)
+        self.problem: Optional[str] = None  # why /healthz says unhealthy; None: healthy
+        self._last_idle_rejoin = float("-inf")
 
     def run(self) -> None:
         self.wait_for_topics()
@@ -147,6 +155,7 @@ class SchedulerService:
         self.pause()
         self.commit(force=not records)
         self.observe()
+        self.check_idle()
 
     def wait_for_topics(self, timeout_s: float = 60.0) -> None:
         """Join the group only once this client has metadata for every topic: a member
@@ -218,11 +227,39 @@ class SchedulerService:
         if self._rejoined:
             raise MembershipStalled(f"no partition assignment for {waited:.0f} s, even after rejoining the group")
         log.warning("no partition assignment; rejoining the group", extra={"waited_s": round(waited, 1)})
-        m.REJOINS.inc()
         self._rejoined = True
+        self.rejoin()
+
+    def rejoin(self) -> None:
+        m.REJOINS.inc()
         self.consumer.unsubscribe()
         self.revocations.restart()
         self.consumer.subscribe(self.settings.kafka.topics, listener=self.revocations)
+
+    def check_idle(self) -> None:
+        """Unhealthy while this replica owns no partition and the group's jobs wait
+        without their number going down (scheduler/health.py); then rejoin, once per
+        window, so a rebalance can move partitions off a member that does not move them."""
+        if time.monotonic() < self._next_health:
+            return
+        self._next_health = time.monotonic() + HEALTH_EVERY_S
+        assigned = 0 if self.revocations.unassigned_for() else len(self.consumer.assignment())
+        self.problem = self.idle.observe(assigned, self.group_lag() if assigned == 0 else None)
+        m.IDLE_WITH_LAG.set(int(self.problem is not None))
+        window = self.settings.scheduler.idle_lag_window_s
+        if self.problem is not None and time.monotonic() - self._last_idle_rejoin >= window:
+            log.warning("scheduler idle while jobs wait; rejoining the group", extra={"reason": self.problem})
+            self._last_idle_rejoin = time.monotonic()
+            self.rejoin()
+
+    def group_lag(self) -> int:
+        """Messages of every request partition that the group has not committed past."""
+        tps = [TopicPartition(t, p) for t in self.settings.kafka.topics for p in self.consumer.partitions_for_topic(t) or ()]
+        if not tps:
+            return 0
+        ends, starts = self.consumer.end_offsets(tps), self.consumer.beginning_offsets(tps)
+        committed = self.group_offsets()
+        return sum(max(0, ends[tp] - max(starts[tp], committed.get(tp, -1))) for tp in tps)
 
     def intake(self, records: list[ConsumerRecord]) -> None:
         try:
@@ -448,12 +485,19 @@ def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: 
     capacity = FleetCapacity(client, keys, ceiling_tokens=s.capacity_ceiling_tokens or None)
     consumer = make_consumer(settings.kafka, client_id=client_id, max_poll_records=s.max_poll_records)
     admin = make_admin(settings.kafka, client_id=f"{client_id}-results")
+    group_admin = make_admin(settings.kafka, client_id=f"{client_id}-health")
+
+    def group_offsets() -> dict[TopicPartition, int]:
+        offsets = group_admin.list_group_offsets({settings.kafka.group: None}).get(settings.kafka.group, {})
+        return {tp: o.offset for tp, o in offsets.items()}
+
     relay = ResultRelay(client, keys, make_producer(settings.kafka, client_id=f"{client_id}-results"),
                         KnownTopics(admin.list_topics, close=admin.close), results_topic=settings.kafka.results,
                         reserved_topics=[*settings.kafka.topics, settings.kafka.dlq], consumer=replica)
     return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"),
                             dispatcher, Ledger(client, keys), capacity,
-                            tenancy or Tenancy.from_settings(settings), Tokenize(settings.model.source), relay=relay)
+                            tenancy or Tenancy.from_settings(settings), Tokenize(settings.model.source), relay=relay,
+                            group_offsets=group_offsets)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -461,7 +505,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     logs.setup("scheduler", settings.log_level)
     service = build(settings)
     if settings.scheduler.metrics_port:
-        start_http_server(settings.scheduler.metrics_port)
+        serve(settings.scheduler.metrics_port, lambda: service.problem)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.stopping.set())
     try:
