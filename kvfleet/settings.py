@@ -438,6 +438,9 @@ class ColdTierSettings:
     #: prefilled by one worker of the fleet while the others wait for it (stampede
     #: protection); shorter ones are cheaper to recompute than to coordinate.
     single_flight_min_blocks: int = knob(4, "PREFIX_SINGLE_FLIGHT_MIN_BLOCKS", int, lo=1)
+    #: This worker's prefill rate, tokens/s, for deciding between loading a cold prefix
+    #: and recomputing it (kvstore/decision.py); 0 = measured from the engine's steps.
+    prefill_tokens_per_s: float = knob(0.0, "COLD_PREFILL_TOKENS_PER_S", float, lo=0)
 
 
 @dataclass(frozen=True)

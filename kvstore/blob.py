@@ -98,6 +98,14 @@ class KVLayout:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)  # (L, 2, BS, Hkv, D)
 
     @property
+    def tag(self) -> str:
+        """Every fact of the layout a blob depends on, for cold-tier keys: workers whose
+        pools differ (fp32 beside bf16, another block size) keep apart, rather than
+        reject and delete each other's blobs."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}-l{self.num_layers}-b{self.block_size}-h{self.num_kv_heads}-d{self.head_dim}"
+
+    @property
     def numel(self) -> int:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
 

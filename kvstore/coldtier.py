@@ -3,19 +3,28 @@
     evict  (engine thread)  spill(hash, block_id): copy the block out of the pool into
                             a wire buffer, queue it; a writer thread seals (quantize,
                             header, crc32) and writes batches in pipelines
-    admit  (engine thread)  load(hashes, block_ids): one MGET for the missing prefix,
-                            the longest run of valid consecutive hits copied into
-                            the blocks the engine allocated for them
-    fleet  (task thread)    ensure_prefix(hashes, prefill): when several workers miss
-                            the same prefix, one prefills it and writes it, the
-                            others wait and then load it
+    fetch  (task thread)    prefetch(hashes): one MGET for a job's missing prefix
+                            while the job waits, validated and staged in host memory
+    admit  (engine thread)  load_staged(hashes, block_ids): the staged leading run
+                            copied into the blocks the engine allocated for them; no
+                            Redis on the step thread, so a running batch never waits
+                            on it (load() does the MGET there, for callers without
+                            a task thread)
+    fleet  (task thread)    ensure_prefix(hashes, prefill, first_missing): when several
+                            workers miss the same blocks, one prefills them and writes
+                            them, the others wait and then load them
 
-Keys are `Keys.kv_block(model_fingerprint, block_hash)`: a block hash chains all the
-tokens before it, so one key names one immutable K/V content for one model.
+Keys are `Keys.kv_block(namespace, block_hash)`, the namespace being the model
+fingerprint and the pool layout (`KVLayout.tag`: dtype, layers, block size, heads, head
+dim): a block hash chains all the tokens before it, so one key names one immutable K/V
+content for one model in one layout, and workers of other dtypes never meet it.
 Because that content never changes, a block past its logical expiry is still
-correct: a reader loads it and extends its life (a touch), it is never rebuilt.
-Logical expiry + grace and jitter then decide only how long unused blocks occupy
-memory, with the instance's `allkeys-lru` as the hard bound.
+correct: it is served, and exactly one reader extends its life (a touch, under a short
+refresh lease), never rebuilds it. XFetch makes that reader refresh a popular prefix a
+little before its expiry, with δ the prefix's recompute time. Logical expiry + grace
+and jitter then decide only how long unused blocks occupy memory, and popular prefixes
+written together do not all expire together; the instance's `allkeys-lru` is the hard
+bound.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from enum import Enum
@@ -39,7 +49,8 @@ from kvstore import metrics
 from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, BlobCodec, KVBlob, KVLayout, Quant
 from kvstore.buffers import BufferPool
 from kvstore.errors import BlobError
-from kvstore.expiry import DEFAULT_JITTER, jittered, physical_ttl_ms
+from kvstore.expiry import DEFAULT_JITTER, jittered, physical_ttl_ms, xfetch_due
+from kvstore.lock import Lease
 from kvstore.singleflight import NO_VALUE, Entry, NoValueType, SingleFlight
 from kvstore.spill import SpillQueue
 
@@ -105,6 +116,7 @@ class ColdTier:
         wait_timeout_s: float = 60.0,
         poll_s: float = 0.1,
         use_lock: bool = True,
+        refresh_beta: float = 1.0,
     ) -> None:
         """`client` is the cache instance, from connect(). `kv_caches` is the
         engine's pool, one (k_cache, v_cache) pair per layer; blocks are copied out of
@@ -120,6 +132,9 @@ class ColdTier:
         self.model_fingerprint = model_fingerprint
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
+        #: Keys and prefix locks live under this: a bf16 worker and an fp32 worker of the
+        #: same model must not share (and reject, and delete) each other's blobs.
+        self.namespace = f"{model_fingerprint}:{self.layout.tag}"
         self.codec = BlobCodec(self.layout, model_fingerprint, quant=quant, kernels=kernels)
         self.ttl_s = ttl_s
         self.grace_s = grace_s
@@ -131,6 +146,12 @@ class ColdTier:
             lock_client or client, name="kv_prefix", lock_ttl_s=lock_ttl_s,
             wait_timeout_s=wait_timeout_s, poll_s=poll_s, early_refresh_beta=0.0, use_lock=use_lock,
         )
+        self._lock_client = lock_client or client
+        #: XFetch's β for the early refresh of popular prefixes (kvstore/expiry.py).
+        self.refresh_beta = refresh_beta
+        # Blobs prefetched for jobs about to be admitted: hash -> [blob, jobs using it].
+        self._staged: dict[str, list] = {}
+        self._staged_lock = threading.Lock()
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
         self.spill_queue: SpillQueue[tuple[str, bytearray]] = SpillQueue(
             self._write_batch, max_bytes=spill_max_bytes, max_batch=spill_batch, name="kv-spill"
@@ -138,7 +159,7 @@ class ColdTier:
         metrics.KV_SPILL_QUEUE_BYTES.set_function(lambda: self.spill_queue.pending_bytes)
 
     def key(self, block_hash: BlockHash) -> str:
-        return self.keys.kv_block(self.model_fingerprint, hash_id(block_hash))
+        return self.keys.kv_block(self.namespace, hash_id(block_hash))
 
     # --- eviction side ---------------------------------------------------------------
     def spill(self, block_hash: BlockHash, block_id: int) -> bool:
@@ -193,7 +214,7 @@ class ColdTier:
     def _seal(self, block: str, buf: bytearray) -> tuple[str, bytearray, int]:
         logical_s = jittered(self.ttl_s, self.jitter)
         blob = self.codec.seal(buf, block, time.time() + logical_s)
-        return self.keys.kv_block(self.model_fingerprint, block), blob, physical_ttl_ms(logical_s, self.grace_s)
+        return self.keys.kv_block(self.namespace, block), blob, physical_ttl_ms(logical_s, self.grace_s)
 
     def _write_batch(self, items: list[tuple[str, bytearray]], *, raise_errors: bool = False) -> None:
         """Seal and SET a batch (the spill thread, or write()).
@@ -227,16 +248,18 @@ class ColdTier:
                 self._buffers.give(buf)  # sent (or dropped): safe to overwrite
 
     # --- admission side --------------------------------------------------------------
-    def fetch(self, block_hashes: Sequence[BlockHash]) -> list[KVBlob]:
+    def fetch(self, block_hashes: Sequence[BlockHash], *, rebuild_s: float = 0.0) -> list[KVBlob]:
         """The longest run of valid blobs from the start of `block_hashes`, in one MGET.
 
         A hole ends the run: block i is only useful if blocks 0..i-1 are loaded too.
-        Invalid blobs are deleted (a miss, never loaded); stale ones are touched.
+        Invalid blobs are deleted (a miss, never loaded). A run past its logical expiry
+        (or, by XFetch, close to it, `rebuild_s` being what a miss would cost) is still
+        returned, and extended by one reader only (`_refresh`).
         """
         if not block_hashes:
             return []
         ids = [hash_id(h) for h in block_hashes]
-        keys = [self.keys.kv_block(self.model_fingerprint, i) for i in ids]
+        keys = [self.keys.kv_block(self.namespace, i) for i in ids]
         raws = self.client.mget(keys)
         blobs: list[KVBlob] = []
         rejected: list[str] = []
@@ -250,11 +273,76 @@ class ColdTier:
                 log.warning("rejected a cold-tier blob; deleting it", extra={"key": key, "reason": str(exc)})
                 rejected.append(key)
                 break
-        self._repair(rejected, [key for key, blob in zip(keys, blobs) if blob.expires_at <= time.time()])
+        refresh: list[str] = []
+        if blobs:
+            now, expires_at = time.time(), min(blob.expires_at for blob in blobs)
+            if now >= expires_at or xfetch_due(now, expires_at, rebuild_s, self.refresh_beta):
+                refresh = self._refresh(ids[len(blobs) - 1], keys[:len(blobs)])
+        self._repair(rejected, refresh)
         metrics.KV_LOOKUP_BLOCKS.labels("hit").inc(len(blobs))
         metrics.KV_LOOKUP_BLOCKS.labels("miss").inc(len(ids) - len(blobs))
         metrics.KV_LOADED_BYTES.inc(sum(blob.nbytes for blob in blobs))
         return blobs
+
+    def _refresh(self, last_block: str, keys: list[str]) -> list[str]:
+        """The keys to extend, if this reader is the one to do it: a short lease per
+        prefix (named by its last block), left to expire rather than released, so that
+        of all the readers of a popular prefix one touches it per lease period."""
+        lease = Lease(self._lock_client, self.keys.lock(f"kv_refresh:{self.namespace}:{last_block}"), 5_000)
+        try:
+            if not lease.acquire():
+                return []
+        except redis.RedisError:
+            return []  # the next reader tries; the grace period covers the wait
+        metrics.KV_REFRESHES.inc()
+        return keys
+
+    def present_run(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of `block_hashes`, from the first, are in the tier: EXISTS per key in
+        one round trip, no blob bytes."""
+        if not block_hashes:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for h in block_hashes:
+            pipe.exists(self.key(h))
+        return sum(1 for _ in itertools.takewhile(bool, pipe.execute()))
+
+    # --- prefetch: Redis off the step thread ------------------------------------------
+    @property
+    def blob_nbytes(self) -> int:
+        """Bytes of one stored block (header included), as this worker writes them."""
+        return self.codec.raw_nbytes - self.layout.payload_nbytes(Quant.NONE) + self.layout.payload_nbytes(self.codec.quant)
+
+    def prefetch(self, block_hashes: Sequence[BlockHash], *, rebuild_s: float = 0.0) -> tuple[list[str], int]:
+        """Fetch the leading run of `block_hashes` now (in the caller's thread) and stage
+        it for `load_staged`: the staged hash ids, to `unstage` once the job is admitted,
+        and the bytes fetched."""
+        blobs = self.fetch(block_hashes, rebuild_s=rebuild_s)
+        ids = [hash_id(h) for h in block_hashes[:len(blobs)]]
+        with self._staged_lock:
+            for block, blob in zip(ids, blobs):
+                entry = self._staged.setdefault(block, [blob, 0])
+                entry[1] += 1
+        return ids, sum(blob.nbytes for blob in blobs)
+
+    def unstage(self, ids: Sequence[str]) -> None:
+        with self._staged_lock:
+            for block in ids:
+                entry = self._staged.get(block)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del self._staged[block]
+
+    def load_staged(self, block_hashes: Sequence[BlockHash], block_ids: Callable[[int], Sequence[int]]) -> int:
+        """Like `load`, from what `prefetch` staged only: memory copies, no Redis."""
+        started = time.perf_counter()
+        with self._staged_lock:
+            blobs = [e[0] for e in itertools.takewhile(bool, (self._staged.get(hash_id(h)) for h in block_hashes))]
+        if blobs:
+            self.copy_in(blobs, block_ids(len(blobs)))
+            metrics.KV_LOAD_SECONDS.observe(time.perf_counter() - started)
+        return len(blobs)
 
     def copy_in(self, blobs: Sequence[KVBlob], block_ids: Sequence[int]) -> None:
         """Copy each blob into its block of the pool."""
@@ -301,21 +389,27 @@ class ColdTier:
             log.warning("could not repair cold-tier blobs", exc_info=True)  # the next reader retries
 
     # --- one prefill per prefix across the fleet -------------------------------------
-    def ensure_prefix(self, block_hashes: Sequence[BlockHash], prefill: Callable[[], None]) -> PrefixSource:
-        """Make sure a prefix's blocks are in the cold tier, prefilling it at most once fleet-wide.
+    def ensure_prefix(self, block_hashes: Sequence[BlockHash], prefill: Callable[[], None], *,
+                      first_missing: int = 0) -> PrefixSource:
+        """Make sure a prefix's blocks are in the cold tier, prefilling them at most once fleet-wide.
+
+        The flight is keyed on `block_hashes[first_missing]`, the first block that no tier
+        holds: a hash chains every token before it, so all requests that share the
+        prompt up to and past that block (a system prompt, a document) meet on one key,
+        whatever they ask after it, and prefill the shared blocks once across the fleet;
+        each then computes only its own suffix.
 
         `prefill()` must compute the blocks and `write()` them before it returns. COLD:
-        the blocks are in Redis, `load()` them (a load that still comes up short, e.g.
-        after an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
+        the blocks are in Redis, load them (a load that still comes up short, e.g. after
+        an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
         """
-        keys = [self.key(h) for h in block_hashes]
-        lock_key = self.keys.lock(f"prefix:{self.model_fingerprint}:{hash_id(block_hashes[-1])}")
+        first = self.key(block_hashes[first_missing])
+        lock_key = self.keys.lock(f"prefix:{self.namespace}:{hash_id(block_hashes[first_missing])}")
 
         def lookup() -> Union[Entry[PrefixSource], NoValueType]:
-            # EXISTS counts the keys that exist: one cheap round trip, no blob bytes.
-            # Content never goes stale, hence an infinite logical expiry.
-            present = self.client.exists(*keys) == len(keys)
-            return Entry(PrefixSource.COLD, math.inf) if present else NO_VALUE
+            # The builder writes from the first missing block on: that one key tells.
+            # One EXISTS, no blob bytes; the blocks' own expiry is fetch()'s business.
+            return Entry(PrefixSource.COLD, math.inf) if self.client.exists(first) else NO_VALUE
 
         def build() -> PrefixSource:
             prefill()

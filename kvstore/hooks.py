@@ -36,9 +36,13 @@ class MissingBlockLike(Protocol):
 
 
 class ColdTierHooks:
-    def __init__(self, tier: Optional[ColdTier] = None) -> None:
+    def __init__(self, tier: Optional[ColdTier] = None, *, staged_only: bool = False) -> None:
         #: None until the pool exists (see the module docstring): the hooks then do nothing.
         self.tier = tier
+        #: Load only what a job's task thread prefetched (ColdTier.prefetch): the step
+        #: thread then never waits on Redis. The worker sets it, as its shared-prefix
+        #: step prefetches every job's cold prefix (workers/prefix.py).
+        self.staged_only = staged_only
 
     def on_evict(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: Optional[str], block_id: int) -> None:
         # token_ids and parent_hash are already folded into the chained block_hash,
@@ -49,8 +53,11 @@ class ColdTierHooks:
     def on_admit(self, missing: Sequence[MissingBlockLike]) -> int:
         if self.tier is None:
             return 0
+        hashes, block_ids = [m.block_hash for m in missing], (lambda n: [m.block_id for m in missing[:n]])
+        if self.staged_only:
+            return self.tier.load_staged(hashes, block_ids)
         try:
-            return self.tier.load([m.block_hash for m in missing], lambda n: [m.block_id for m in missing[:n]])
+            return self.tier.load(hashes, block_ids)
         except redis.RedisError:
             log.warning("cold tier unavailable; prefilling instead", exc_info=True)
             return 0

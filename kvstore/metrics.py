@@ -60,3 +60,12 @@ KV_LOAD_SECONDS = Histogram(
     "One prefix load: the round trip, validation and copy into the block pool.",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
+KV_DECISIONS = Counter(
+    "kvfleet_kv_cold_decisions_total",
+    "Prefixes found in the cold tier, by what was sooner: loading them or recomputing them (kvstore/decision.py).",
+    ["decision"],
+)
+KV_REFRESHES = Counter(
+    "kvfleet_kv_cold_refreshes_total",
+    "Cold-tier prefixes whose logical expiry one reader extended (past expiry, or early by XFetch).",
+)

@@ -4,19 +4,24 @@ A worker process evicts a prompt's blocks from its small pool (they spill to Red
 another process with an empty pool then serves the same prompt from the cold tier, and
 its tokens equal a cold run's: exactly for fp32 blocks, and for INT8 blocks greedy
 tokens are equal and the next-token logits stay within a stated tolerance.
-Also: the fleet-wide single flight of a shared prefix across processes.
+Also: the fleet-wide single flight of a shared prefix across processes (the same prompt,
+and a system prompt shared by different questions), cold loads fetched off the step
+thread, and the load-or-recompute decision.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import pytest
 import redis
 import torch
+from prometheus_client import REGISTRY
 
 from kernels.contract import PagedBatch
 from kvfleet.constants import Keys
+from kvfleet.contracts import Sampling
 from kvfleet.settings import ColdTierSettings
 from kvstore.blob import Quant
 from kvstore.coldtier import ColdTier, PrefixSource, connect
@@ -24,16 +29,17 @@ from kvstore.hooks import ColdTierHooks
 from workers.engine import Engine, EngineConfig
 from workers.model.attention import AttentionMetadata
 from workers.model.loader import load_model
-from workers.prefix import PrefixSharing
+from workers.prefix import PrefixSharing, PrefixSharingEngine
 
 PROMPT = [(i * 37 + 11) % 250 for i in range(200)]  # 12 full blocks of 16, then 8 tokens
+SHARED = PROMPT[:192]  # 12 full blocks: a system prompt many requests begin with
 OTHERS = [[(i * 13 + k * 101) % 250 for i in range(200)] for k in range(1, 6)]
 INT8_LOGIT_ATOL = 0.05  # tiny model, logits of O(1..10): INT8 K/V moves them by ~1e-2
 
 
-def _engine(url: str, prefix: str, quant: Quant, num_blocks: int, lock_url: str | None = None
-            ) -> tuple[Engine, ColdTier]:
-    hooks = ColdTierHooks()
+def _engine(url: str, prefix: str, quant: Quant, num_blocks: int, lock_url: str | None = None, *,
+            staged_only: bool = False) -> tuple[Engine, ColdTier]:
+    hooks = ColdTierHooks(staged_only=staged_only)
     engine = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=num_blocks, max_model_len=512), hooks=hooks)
     lock_client = redis.Redis.from_url(lock_url) if lock_url else None  # as in production: locks on the state instance
     hooks.tier = ColdTier(connect(url), Keys(prefix), engine.block_manager.fingerprint, engine.kv_cache,
@@ -114,31 +120,111 @@ def test_prefix_spilled_by_one_process_is_loaded_by_another(cache_redis_url, pre
         tier.close()
 
 
-def _sharing_worker(url: str, state_url: str, prefix: str, results, barrier) -> None:
+def _sharing_worker(url: str, state_url: str, prefix: str, results, barrier, suffix: list[int]) -> None:
+    """One worker process as the service builds it: staged-only hooks, the prefix step
+    before the job."""
     torch.set_num_threads(1)
-    engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url)
+    engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url, staged_only=True)
     sharing = PrefixSharing(engine, tier, min_blocks=4)
+    prompt = SHARED + suffix
     barrier.wait()  # all processes ask at the same moment
-    source = sharing.prepare("job", PROMPT)
-    tokens = engine.generate("job", PROMPT, 8).tokens
-    results.put((source.value if source else None, engine.stats().prompt_tokens_computed, tokens))
+    prepared = sharing.prepare("job", prompt)
+    tokens = engine.generate("job", prompt, 8).tokens
+    tier.unstage(prepared.staged)
+    results.put((prepared.source.value if prepared.source else None, engine.stats().prompt_tokens_computed,
+                 len(prompt), tokens))
     engine.shutdown()
     tier.close()
 
 
-def test_a_missing_shared_prefix_is_prefilled_once_across_processes(cache_redis_url, redis_url, prefix):
+def _share(cache_redis_url: str, redis_url: str, prefix: str, suffixes: list[list[int]]) -> list[tuple]:
     ctx = mp.get_context("spawn")
-    results, barrier = ctx.Queue(), ctx.Barrier(3)
-    procs = [ctx.Process(target=_sharing_worker, args=(cache_redis_url, redis_url, prefix, results, barrier))
-             for _ in range(3)]
+    results, barrier = ctx.Queue(), ctx.Barrier(len(suffixes))
+    procs = [ctx.Process(target=_sharing_worker, args=(cache_redis_url, redis_url, prefix, results, barrier, sfx))
+             for sfx in suffixes]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(30)
+    return outcomes
+
+
+def test_a_missing_shared_prefix_is_prefilled_once_across_processes(cache_redis_url, redis_url, prefix):
+    outcomes = _share(cache_redis_url, redis_url, prefix, [PROMPT[192:]] * 3)
     sources = sorted(o[0] for o in outcomes)
     assert sources == [PrefixSource.BUILT.value, PrefixSource.COLD.value, PrefixSource.COLD.value]
     # The two that waited prefilled only the tail past the shared blocks.
     computed = sorted(o[1] for o in outcomes)
     assert computed[:2] == [len(PROMPT) - 12 * 16] * 2
-    assert len({tuple(o[2]) for o in outcomes}) == 1  # everyone generated the same tokens
+    assert len({tuple(o[3]) for o in outcomes}) == 1  # everyone generated the same tokens
+
+
+def test_requests_sharing_a_system_prompt_with_different_questions_prefill_it_once(cache_redis_url, redis_url, prefix):
+    """Issue 14: the flight was keyed on the whole prompt's last block, so requests that
+    share a long system prompt but ask different questions each prefilled it."""
+    suffixes = [[(i * 7 + k * 31) % 250 for i in range(40 + 16 * k)] for k in range(3)]  # 2-5 blocks of their own
+    outcomes = _share(cache_redis_url, redis_url, prefix, suffixes)
+    assert sorted(o[0] for o in outcomes) == [PrefixSource.BUILT.value, PrefixSource.COLD.value, PrefixSource.COLD.value]
+    for source, computed, length, _ in outcomes:
+        if source == PrefixSource.COLD.value:
+            assert computed == length - len(SHARED)  # only its own question
+        else:
+            # Everything once, plus the last partial block again: the job itself, after
+            # its 1-token prefix run, always computes the block holding its last token.
+            assert length <= computed < length + 16
+
+
+class _ThreadLog(redis.Redis):
+    """The cache client, noting which thread sent each command."""
+
+    threads: list[str]
+
+    def execute_command(self, *args, **options):
+        self.threads.append(threading.current_thread().name)
+        return super().execute_command(*args, **options)
+
+    def pipeline(self, *args, **kwargs):
+        self.threads.append(threading.current_thread().name)
+        return super().pipeline(*args, **kwargs)
+
+
+def _spilled_prompt(cache_redis_url: str, prefix: str) -> None:
+    _run_in_process(_spill_worker, cache_redis_url, prefix, Quant.NONE.value)
+
+
+def test_cold_blocks_are_fetched_by_the_task_thread_and_the_step_thread_never_waits_on_redis(cache_redis_url, prefix):
+    _spilled_prompt(cache_redis_url, prefix)
+    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, staged_only=True)
+    client = _ThreadLog.from_url(cache_redis_url)
+    client.threads = []
+    tier.client = client
+    try:
+        generator = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1.0))
+        result = generator.generate("warm", PROMPT, 4, Sampling())
+        assert result.cached_tokens == 12 * 16 and engine.stats().outside_cache_hits == 12
+        assert client.threads and "kvfleet-engine" not in client.threads, client.threads
+        assert tier._staged == {}  # released once admitted
+    finally:
+        engine.shutdown()
+        tier.close()
+
+
+def test_a_prefix_that_is_sooner_recomputed_than_loaded_is_recomputed(cache_redis_url, prefix):
+    """On a GPU an 8B model prefills faster than a ~1 GB/s tier loads its KV: the decision
+    recomputes. Here the prefill rate is set so that recomputing wins."""
+    _spilled_prompt(cache_redis_url, prefix)
+    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, staged_only=True)
+    try:
+        sharing = PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1e15)
+        before = REGISTRY.get_sample_value("kvfleet_kv_cold_decisions_total", {"decision": "recompute"}) or 0
+        prepared = sharing.prepare("fast-gpu", PROMPT)
+        assert prepared.decision == "recompute" and prepared.staged == []
+        assert REGISTRY.get_sample_value("kvfleet_kv_cold_decisions_total", {"decision": "recompute"}) == before + 1
+        result = PrefixSharingEngine(engine, sharing).generate("fast-gpu", PROMPT, 4, Sampling())
+        assert result.cached_tokens == 0 and engine.stats().outside_cache_hits == 0
+        slow = PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1.0)
+        assert slow.prepare("slow-cpu", OTHERS[0] and PROMPT).decision is None  # hot now: nothing to decide
+    finally:
+        engine.shutdown()
+        tier.close()

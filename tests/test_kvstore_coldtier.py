@@ -108,6 +108,18 @@ def test_load_returns_the_longest_leading_run(make_tier):
     assert tier.load(HASHES[2:4], lambda n: pytest.fail("nothing to allocate")) == 0
 
 
+def test_workers_of_another_dtype_keep_apart_instead_of_deleting_each_others_blobs(make_tier, cache_client):
+    """Issue 14: the key named the model only, so an fp32 worker rejected (and deleted)
+    a bf16 worker's blobs for the same prefix, and the other way round: a thrash."""
+    bf16, fp32 = make_tier(make_pool(torch.bfloat16)), make_tier(make_pool(torch.float32))
+    assert bf16.key(HASHES[0]) != fp32.key(HASHES[0]) and "bfloat16" in bf16.key(HASHES[0])
+    store(bf16, HASHES[:2], [0, 1])
+    before = metric("kvfleet_kv_cold_rejected_blobs_total", reason="dtype")
+    assert fp32.load(HASHES[:2], lambda n: pytest.fail("not its blobs")) == 0  # a miss, not a rejection
+    assert metric("kvfleet_kv_cold_rejected_blobs_total", reason="dtype") == before
+    assert bf16.load(HASHES[:2], lambda n: [4, 5][:n]) == 2  # still there for its own kind
+
+
 def test_spill_copies_the_block_before_it_is_reused(make_tier):
     pool = make_pool()
     expected = block_of(pool, 2).clone()
@@ -155,6 +167,42 @@ def test_a_stale_block_is_loaded_and_its_life_extended(make_tier, cache_client):
     assert tier.load(HASHES[:1], lambda n: [1]) == 1  # the touched blob still validates
 
 
+def test_a_stale_popular_prefix_is_served_to_all_and_refreshed_by_one(make_tier, cache_client):
+    """Issue 14: every reader touched a stale block. Now all readers are served the stale
+    (still correct) blocks at once, and one of them extends them."""
+    tier = make_tier(make_pool(), ttl_s=0.2, grace_s=30, jitter=0.0)
+    store(tier, HASHES[:3], [0, 1, 2])
+    expiry = EXPIRES_AT.unpack_from(cache_client.get(tier.key(HASHES[2])), EXPIRES_AT_OFFSET)[0]
+    wait_until(lambda: time.time() > expiry, "the prefix is logically expired")
+    readers = [make_tier(make_pool(zeros=True), ttl_s=60, jitter=0.0) for _ in range(6)]
+    before = metric("kvfleet_kv_cold_refreshes_total")
+    start = threading.Barrier(len(readers))
+    got: list[int] = []
+
+    def read(reader: ColdTier) -> None:
+        start.wait()
+        got.append(len(reader.fetch(HASHES[:3])))
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in readers]
+    [t.start() for t in threads]
+    [t.join(TIMEOUT_S) for t in threads]
+    assert got == [3] * 6  # every reader served, none waited for a rebuild
+    assert metric("kvfleet_kv_cold_refreshes_total") == before + 1
+    new_expiry = [EXPIRES_AT.unpack_from(cache_client.get(tier.key(h)), EXPIRES_AT_OFFSET)[0] for h in HASHES[:3]]
+    assert all(e > time.time() + 30 for e in new_expiry)  # one reader's 60 s lifetime
+
+
+def test_xfetch_refreshes_a_prefix_before_it_expires_when_a_miss_would_be_costly(make_tier, cache_client):
+    tier = make_tier(make_pool(), ttl_s=2.0, grace_s=30, jitter=0.0, refresh_beta=1.0)
+    store(tier, HASHES[:2], [0, 1])
+    before = metric("kvfleet_kv_cold_refreshes_total")
+    assert len(tier.fetch(HASHES[:2])) == 2  # fresh, and a miss would cost nothing: no refresh
+    assert metric("kvfleet_kv_cold_refreshes_total") == before
+    # A rebuild that takes far longer than the time left: XFetch refreshes it now.
+    assert len(tier.fetch(HASHES[:2], rebuild_s=1e6)) == 2
+    assert metric("kvfleet_kv_cold_refreshes_total") == before + 1
+
+
 def _mangled(tier: ColdTier, how: str) -> bytes:
     good = BlobCodec(tier.layout, MODEL, kernels=tier.codec.kernels)
     buf = bytearray(good.raw_nbytes)
@@ -189,7 +237,6 @@ def test_an_invalid_blob_is_a_miss_and_is_deleted(make_tier, cache_client, how, 
 
 def test_ensure_prefix_prefills_once_across_workers(make_tier, cache_client, prefix):
     builder_pool = make_pool(seed=1)
-    lock_key = Keys(prefix).lock(f"prefix:{MODEL}:{HASHES[2]}")
     prefills = []
 
     def worker(results: list) -> None:
@@ -198,7 +245,8 @@ def test_ensure_prefix_prefills_once_across_workers(make_tier, cache_client, pre
         def prefill() -> None:  # stands in for a local prefill of the prompt
             prefills.append(1)
             # Stored only once the five others wait on it: none of them finds it done already.
-            wait_until(lambda: cache_client.pubsub_numsub(lock_key)[0][1] == 5, "the others wait")
+            key = Keys(prefix).lock(f"prefix:{tier.namespace}:{HASHES[0]}")  # the first missing block
+            wait_until(lambda: cache_client.pubsub_numsub(key)[0][1] == 5, "the others wait")
             store(make_tier(builder_pool), HASHES[:3], [0, 1, 2])
 
         source = tier.ensure_prefix(HASHES[:3], prefill)

@@ -1,67 +1,112 @@
-"""Fleet-wide single flight for a shared prompt prefix that is in neither KV tier.
+"""The cold tier in front of every job: prefetch its prefix, decide load or recompute,
+and prefill a shared prefix once fleet-wide.
 
-When many jobs with the same long prefix reach several workers at once, each worker
-would prefill that prefix itself: the stampede the cold tier exists to prevent. Before a
-job runs, `PrefixSharing.prepare()` checks whether its prefix is hot (in this worker's
-pool) or cold (in Redis). If neither, exactly one worker of the fleet (the holder of
-the prefix's rebuild lock, see kvstore.singleflight) prefills it and writes its blocks to
-the cold tier; the others wait for that and then load the blocks through the engine's
-admission hook like any cold hit.
+Before a job reaches the engine, in the job's own task thread (never the step thread),
+`PrefixSharing.prepare()`:
 
-Prefixes shorter than `min_blocks` full blocks skip all this: recomputing them costs
-less than a lock round trip.
+1. finds how much of the prompt's full blocks this worker holds (hot) and, after that,
+   how much the Redis tier holds (cold), in one EXISTS round trip;
+2. if at least `min_blocks` blocks are in neither tier, runs the fleet-wide single
+   flight keyed on the first such block (kvstore.coldtier.ensure_prefix): requests that
+   share a system prompt or a document meet on that key whatever they ask after it, so
+   one worker prefills the shared blocks and writes them, the others wait and load
+   them, and each computes only its own suffix;
+3. if blocks are cold, asks `FetchDecision` (kvstore/decision.py) whether loading them
+   is sooner than recomputing them here, and if so fetches and validates them now,
+   staged in host memory, for the engine's admission hook to copy in (no Redis on the
+   step thread, so a running batch never waits on a load).
+
+The staged blobs are dropped when the job's first token arrives (its admission is
+over by then) or when it ends.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 from kvfleet.contracts import Sampling
 from kvstore.coldtier import ColdTier, PrefixSource
+from kvstore.decision import FetchDecision
 from workers.engine import Engine
 
 log = logging.getLogger("kvfleet.worker")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` did for one job."""
+
+    source: Optional[PrefixSource] = None  # the single flight ran: built here, or found cold
+    staged: list[str] = field(default_factory=list)  # hash ids prefetched for its admission
+    decision: Optional[str] = None  # "load" | "recompute", when part of the prefix was cold
+
+
 class PrefixSharing:
-    def __init__(self, engine: Engine, tier: ColdTier, *, min_blocks: int = 4) -> None:
+    def __init__(self, engine: Engine, tier: ColdTier, *, min_blocks: int = 4,
+                 prefill_tokens_per_s: float = 0.0) -> None:
+        """`prefill_tokens_per_s`: this worker's prefill rate for the load-or-recompute
+        decision; 0 = measured by the engine (`Engine.tokens_per_s`)."""
         self.engine = engine
         self.tier = tier
         self.min_blocks = min_blocks
+        self.decision = FetchDecision(
+            blob_bytes=tier.blob_nbytes, block_tokens=engine.block_manager.block_size,
+            prefill_tokens_per_s=(lambda: prefill_tokens_per_s) if prefill_tokens_per_s > 0 else engine.tokens_per_s)
 
-    def prepare(self, job_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> PrefixSource | None:
-        """Make the prompt's prefix loadable in its cache namespace; None when there was
-        nothing to do. The single flight keys on the namespaced hashes, so it never
-        tells a job that another tenant prefilled the same prompt."""
+    def prepare(self, job_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> Prepared:
+        """Make the prompt's prefix ready (see the module docstring); `staged` are to be
+        `tier.unstage`d once the job is admitted. The hashes are those of the job's
+        cache namespace, so the flight never tells a job that another tenant prefilled
+        the same prompt."""
         blocks = self.engine.block_manager
         hashes = blocks.prefix_hashes(prompt, cache_salt)
-        if len(hashes) < self.min_blocks:
-            return None
-        # A hint read off the step thread (see BlockManager.cached_block_ids): if it says
-        # hot, the admission will find the blocks (or, if they were evicted just now,
-        # recompute them; still correct).
-        if len(blocks.cached_block_ids(hashes)) == len(hashes):
-            return None
-        source = self.tier.ensure_prefix(hashes, lambda: self._prefill_and_store(job_id, prompt, hashes, cache_salt))
-        log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes), "source": source.value})
-        return source
+        # A hint read off the step thread (see BlockManager.cached_block_ids): blocks it
+        # calls hot may be evicted before admission, which then recomputes them.
+        hot = len(blocks.cached_block_ids(hashes))
+        if hot == len(hashes):
+            return Prepared()
+        cold = self.tier.present_run(hashes[hot:])
+        covered = hot + cold
+        source = None
+        if len(hashes) - covered >= self.min_blocks:
+            source = self.tier.ensure_prefix(
+                hashes, lambda: self._prefill_and_store(job_id, prompt, hashes, cache_salt, cold_run=(hot, covered)),
+                first_missing=covered)
+            log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes) - covered,
+                                             "source": source.value})
+            if source is PrefixSource.BUILT:
+                return Prepared(source)  # this worker computed it: hot now
+            cold = self.tier.present_run(hashes[hot:])  # what the builder wrote
+        if cold == 0:
+            return Prepared(source)
+        if not self.decision.should_load(cold):
+            return Prepared(source, decision="recompute")
+        started = time.perf_counter()
+        staged, nbytes = self.tier.prefetch(hashes[hot:hot + cold], rebuild_s=self.decision.recompute_seconds(cold) or 0.0)
+        if nbytes:
+            self.decision.observe_fetch(nbytes, time.perf_counter() - started)
+        return Prepared(source, staged, "load")
 
     def _prefill_and_store(self, job_id: str, prompt: Sequence[int], hashes: list[str],
-                           cache_salt: str | None) -> None:
+                           cache_salt: str | None, *, cold_run: tuple[int, int]) -> None:
         # One token of output is the cheapest request that computes every prompt block.
         self.engine.generate(f"{job_id}/prefix", prompt, 1, Sampling(), cache_salt=cache_salt)
         # Copy on the step thread, where no step can reuse a block mid-copy; write here.
-        items = self.engine.call_soon(lambda: self._copy(hashes)).result()
+        items = self.engine.call_soon(lambda: self._copy(hashes, cold_run)).result()
         self.tier.write(items)
 
-    def _copy(self, hashes: list[str]) -> list:
+    def _copy(self, hashes: list[str], cold_run: tuple[int, int]) -> list:
         held = self.engine.block_manager.cached_block_ids(hashes)  # exact here: we are on the step thread
-        return self.tier.copy_out(hashes[:len(held)], held)
+        keep = [i for i in range(len(held)) if not cold_run[0] <= i < cold_run[1]]  # the cold run is there already
+        return self.tier.copy_out([hashes[i] for i in keep], [held[i] for i in keep])
 
 
 class PrefixSharingEngine:
-    """The engine as the job runner sees it, with the shared-prefix step before each job."""
+    """The engine as the job runner sees it, with the prefix step before each job."""
 
     def __init__(self, engine: Engine, sharing: PrefixSharing) -> None:
         self.engine = engine
@@ -70,12 +115,36 @@ class PrefixSharingEngine:
     def generate(self, request_id: str, prompt_tokens: Sequence[int], max_new_tokens: int, sampling: Sampling, *,
                  priority_rank: int = 1, stop: tuple[str, ...] = (), on_token: Callable[[int], None] | None = None,
                  cache_salt: str | None = None):
+        staged: list[str] = []
         try:
-            self.sharing.prepare(request_id, prompt_tokens, cache_salt)
+            staged = self.sharing.prepare(request_id, prompt_tokens, cache_salt).staged
         except Exception:  # noqa: BLE001 - the cold tier is an optimisation: never fail a job for it
             log.warning("shared-prefix step failed; prefilling locally", extra={"job_id": request_id}, exc_info=True)
-        return self.engine.generate(request_id, prompt_tokens, max_new_tokens, sampling,
-                                    priority_rank=priority_rank, stop=stop, on_token=on_token, cache_salt=cache_salt)
+        release = _Once(lambda: self.sharing.tier.unstage(staged))
+
+        def first_token(token: int) -> None:
+            release()  # admitted: the staged blocks are in the pool now (or were not wanted)
+            if on_token is not None:
+                on_token(token)
+
+        try:
+            return self.engine.generate(request_id, prompt_tokens, max_new_tokens, sampling,
+                                        priority_rank=priority_rank, stop=stop,
+                                        on_token=first_token if staged or on_token else None, cache_salt=cache_salt)
+        finally:
+            release()
 
     def cancel(self, request_id: str) -> bool:
         return self.engine.cancel(request_id)
+
+
+class _Once:
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Optional[Callable[[], None]] = fn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()

@@ -63,14 +63,15 @@ def main() -> None:
     started_at = time.time()
 
     model = load_model(settings.model.source, device=settings.model.device, dtype=settings.model.dtype)
-    hooks = ColdTierHooks()
+    hooks = ColdTierHooks(staged_only=True)  # loads are prefetched in the task threads (workers/prefix.py)
     engine = Engine(model, settings.engine, hooks=hooks)
     generator = engine
     if settings.cold_tier.enabled:
         # The engine owns its pool only once built, so the tier is attached after.
         hooks.tier = cold_tier(settings, engine)
         generator = PrefixSharingEngine(engine, PrefixSharing(
-            engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks))
+            engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks,
+            prefill_tokens_per_s=settings.cold_tier.prefill_tokens_per_s))
     concurrency = settings.worker.concurrency or settings.engine.max_num_seqs
     log.info("model loaded", extra={"model": model.name, "device": str(model.device), "dtype": str(model.dtype),
                                     "fingerprint": model.fingerprint,

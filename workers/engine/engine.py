@@ -86,6 +86,13 @@ class Engine:
         self._loop = StepLoop(self._inbox, scheduler, self._runner, loaded_model.tokenizer)
         self._loop.start()
 
+    def tokens_per_s(self) -> float | None:
+        """What one more token in a step costs here, as tokens per second (the slope of
+        the engine's step-cost fit): the rate at which this worker computes a prompt's
+        tokens. None until enough steps were measured."""
+        fit = self._loop.scheduler.step_cost.fit()
+        return None if fit is None or fit[1] <= 0 else 1.0 / fit[1]
+
     def submit(self, request_id: str, prompt_tokens: Seq[int], max_new_tokens: int,
                sampling: Sampling = Sampling(), *, priority_rank: int = 1, stop: Seq[str] = (),
                ignore_eos: bool = False, on_token: Callable[[int], None] | None = None,

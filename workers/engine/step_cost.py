@@ -9,44 +9,22 @@ token a batch line adds to the step is paid by the online request in the same st
 scheduler asks `extra_tokens` how many lower-class tokens fit in a step without making
 it more than `slack` longer than the higher class's work alone.
 
-The fit is least squares over the recent steps, older ones weighing less (a half-life in
-steps), so it follows a change of load or of device without keeping a history.
+The fit is kvfleet.linear_fit's: least squares over the recent steps, older ones
+weighing less, so it follows a change of load or of device without keeping a history.
 """
 
 from __future__ import annotations
 
 import math
 
+from kvfleet.linear_fit import LinearFit
 
-class StepCost:
+
+class StepCost(LinearFit):
+    """Seconds a step takes (y) against the tokens it computes (x)."""
+
     def __init__(self, *, half_life_steps: float = 256.0, min_steps: int = 16) -> None:
-        self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._min_steps = min_steps  # below this, no fit: the first steps include warm-up
-        self._steps = 0
-        # Decayed sums of weight, n, n², t and n·t: the normal equations of the fit.
-        self._w = self._n = self._nn = self._t = self._nt = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self._decay
-        self._w = self._w * d + 1.0
-        self._n = self._n * d + tokens
-        self._nn = self._nn * d + tokens * tokens
-        self._t = self._t * d + seconds
-        self._nt = self._nt * d + tokens * seconds
-        self._steps += 1
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a seconds, b seconds per token), or None while the steps seen cannot tell them
-        apart (too few, or all of one size)."""
-        if self._steps < self._min_steps:
-            return None
-        det = self._w * self._nn - self._n * self._n
-        # All steps of (nearly) one size: the slope is not determined by the data.
-        if det <= 1e-9 * self._w * self._nn:
-            return None
-        b = (self._w * self._nt - self._n * self._t) / det
-        a = (self._t - b * self._n) / self._w
-        return a, b
+        super().__init__(half_life=half_life_steps, min_samples=min_steps)
 
     def extra_tokens(self, tokens: int, slack: float) -> int | None:
         """Tokens a step of `tokens` may add and stay within (1 + slack) times its own
