@@ -111,6 +111,10 @@ class Keys:
     def lock(self, name: str) -> str:
         return f"{self.prefix}:lock:{name}"
 
+    def result_cache(self, digest: str) -> str:
+        """A cached completion (workers/result_cache.py), on the cache instance."""
+        return f"{self.prefix}:result:{digest}"
+
     @property
     def results_outbox(self) -> str:
         """Redis Stream of terminal results not yet on Kafka: appended by the job store's

@@ -94,6 +94,10 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: Token ids that end generation besides the model's EOS (a chat template's
     #: end-of-turn token); the stopping token is not part of the text.
     stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=8)] = []
+    #: Answer from the exact-match result cache if the identical request ran before
+    #: (greedy or seeded only, and only for a tenant with `result_cache`): the same
+    #: output, without running the model.
+    cache: bool = False
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -199,6 +203,8 @@ class JobResult(msgspec.Struct, frozen=True):
     #: Runs started so far, this one included (0 until a worker started it). Above 1
     #: the job was run again: its worker died, drained, or its engine faulted.
     attempt: int = 0
+    #: Served from the exact-match result cache (`sampling.cache`): the model did not run.
+    from_cache: bool = False
     v: int = SCHEMA_VERSION
 
 

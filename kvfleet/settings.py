@@ -418,6 +418,9 @@ class WorkerSettings:
     #: it withdraws its capacity, hands its jobs back and exits non-zero for its
     #: supervisor to start a fresh process (a CUDA error does not heal in place).
     unhealthy_after_faults: int = knob(3, "WORKER_UNHEALTHY_AFTER_FAULTS", int, lo=1)
+    #: Logical lifetime of an entry of the exact-match result cache, seconds (stale
+    #: entries are served as long again while one request refreshes them); 0 = no cache.
+    result_cache_ttl_s: float = knob(300.0, "RESULT_CACHE_TTL_S", float, lo=0)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,10 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: its latency or `cached_tokens` would tell one tenant what another sent). Tenants
     #: naming the same namespace share their cached prefixes, e.g. a public system prompt.
     cache_namespace: Optional[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]] = None
+    #: May this tenant's requests that ask for it (`sampling.cache`) be answered from the
+    #: exact-match result cache (workers/result_cache.py)? Off by default: a cached
+    #: answer is not a fresh sample, and it is shared within the cache namespace.
+    result_cache: bool = False
 
     @property
     def bucket_tokens(self) -> int:
@@ -155,6 +159,11 @@ class Tenancy:
     def get(self, name: str) -> Optional[Tenant]:
         """The tenant, or None when tenants are configured and this one is not."""
         return self.tenants.get(name)
+
+    def result_cache(self, name: str) -> bool:
+        """The tenant allows cached results (its requests must still ask)."""
+        tenant = self.tenants.get(name)
+        return tenant is not None and tenant.result_cache
 
     def cache_salt(self, name: str) -> str:
         """The root of the tenant's KV block-hash chains (workers/engine/block_manager.py):

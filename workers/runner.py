@@ -53,6 +53,7 @@ from kvfleet.ledger import Ledger
 from kvstore.lock import Lease
 from workers.drain import HandBack
 from workers.engine import RequestCancelled
+from workers.result_cache import ResultCache, determined
 from workers.streaming import StreamPublisher
 
 log = logging.getLogger("kvfleet.worker")
@@ -156,7 +157,8 @@ class JobRunner:
                  clock: Callable[[], float] = time.time, stream: Optional[StreamPublisher] = None,
                  draining: Optional[threading.Event] = None,
                  cache_salt: Optional[Callable[[str], str]] = None, max_job_faults: int = 3,
-                 on_fault: Callable[[], object] = lambda: None) -> None:
+                 on_fault: Callable[[], object] = lambda: None, results: Optional[ResultCache] = None,
+                 result_cache_allowed: Callable[[str], bool] = lambda tenant: False) -> None:
         self.store = store
         self.client = client
         self.engine = engine
@@ -176,6 +178,10 @@ class JobRunner:
         #: health check, told of every fault (workers/health.py).
         self.max_job_faults = max_job_faults
         self.on_fault = on_fault
+        #: The exact-match result cache (workers/result_cache.py), for requests that ask
+        #: for it (`sampling.cache`), of tenants that allow it, whose output is determined.
+        self.results = results
+        self.result_cache_allowed = result_cache_allowed
         self.watch = RunWatch(store, Ledger(client, store.keys), engine.cancel, lease_s=lease_s)
 
     def run(self, raw: dict) -> Outcome:
@@ -258,10 +264,20 @@ class JobRunner:
             # The API (or, for a job produced straight to Kafka, the scheduler) tokenized the
             # prompt; only a task sent by a scheduler from before that carries text.
             prompt = job.prompt_tokens if job.prompt_tokens is not None else self.tokenizer.encode(job.prompt or "")
-            completion = self.engine.generate(job.job_id, prompt, job.max_new_tokens, job.sampling,
-                                              priority_rank=job.priority.rank, stop=tuple(job.sampling.stop),
-                                              **({"on_token": on_token} if on_token is not None else {}),
-                                              **({"cache_salt": self.cache_salt(job.tenant)} if self.cache_salt else {}))
+            salt = self.cache_salt(job.tenant) if self.cache_salt else None
+
+            def run() -> Completion:
+                return self.engine.generate(job.job_id, prompt, job.max_new_tokens, job.sampling,
+                                            priority_rank=job.priority.rank, stop=tuple(job.sampling.stop),
+                                            **({"on_token": on_token} if on_token is not None else {}),
+                                            **({"cache_salt": salt} if salt is not None else {}))
+
+            if self.results is not None and job.sampling.cache and determined(job) \
+                    and self.result_cache_allowed(job.tenant):
+                completion, from_cache = self.results.get_or_run(
+                    msgspec.structs.replace(job, prompt_tokens=list(prompt)), salt or "", run)
+            else:
+                completion, from_cache = run(), False
         except RequestCancelled:
             if self.draining.is_set() and self.store.state(job.job_id) == JobState.RUNNING:
                 # Cancelled by the drain's grace period, not by the client: another
@@ -282,7 +298,7 @@ class JobRunner:
             return self._faulted(job, lease, exc, started.attempt)
         finally:
             self.watch.discard(job.job_id)
-        result = self._result(job, completion, started.attempt)
+        result = self._result(job, completion, started.attempt, from_cache)
         # The stream's last text and its end before the result: see the module docstring.
         self._end_stream(job.job_id, JobState.DONE, text=result.text, finish_reason=result.finish_reason,
                          usage=result.usage)
@@ -334,7 +350,7 @@ class JobRunner:
                   exc_info=exc)
         return Outcome("failed", job.job_id)
 
-    def _result(self, job: JobRequest, c: Completion, attempt: int) -> JobResult:
+    def _result(self, job: JobRequest, c: Completion, attempt: int, from_cache: bool = False) -> JobResult:
         current = self.store.get(job.job_id)
         timings = current.timings if current is not None else Timings(queued_at=job.submitted_at)
         return JobResult(
@@ -343,5 +359,5 @@ class JobRunner:
             usage=Usage(prompt_tokens=c.prompt_tokens, completion_tokens=len(c.tokens), cached_tokens=c.cached_tokens),
             timings=msgspec.structs.replace(timings, started_at=c.started_at, first_token_at=c.first_token_at,
                                             finished_at=c.finished_at),
-            worker=self.worker_id, attempt=attempt,
+            worker=self.worker_id, attempt=attempt, from_cache=from_cache,
         )

@@ -39,6 +39,7 @@ from workers.health import EngineHealth
 from workers.heartbeat import Heartbeat
 from workers.model.loader import load_model
 from workers.prefix import PrefixSharing, PrefixSharingEngine
+from workers.result_cache import ResultCache
 from workers.runner import JobRunner
 from workers.streaming import StreamPublisher
 from workers.tasks import register
@@ -90,9 +91,15 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     health = EngineHealth(engine.stats, settings.worker.unhealthy_after_faults, unhealthy)
+    tenancy = Tenancy.from_settings(settings)
+    results = None
+    if settings.worker.result_cache_ttl_s > 0:
+        results = ResultCache(redis.Redis.from_url(settings.redis.cache_url), settings.redis.keys, model.fingerprint,
+                              ttl_s=settings.worker.result_cache_ttl_s, lock_client=client)
     runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id, stream=stream,
-                       draining=draining, cache_salt=Tenancy.from_settings(settings).cache_salt,
-                       max_job_faults=settings.worker.max_job_faults, on_fault=health.check)
+                       draining=draining, cache_salt=tenancy.cache_salt,
+                       max_job_faults=settings.worker.max_job_faults, on_fault=health.check,
+                       results=results, result_cache_allowed=tenancy.result_cache)
 
     def snapshot() -> WorkerHeartbeat:
         return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens, slots=concurrency,
