@@ -212,38 +212,45 @@ TTFT_PROMPT_TOKENS = 2048
 def measure_ttft(url: str, runs: int) -> dict:
     """Time to first token of one 2,048-token prompt on the benchmark model, three ways:
     recompute (empty pool, empty cold tier), cold (a fresh pool, the prompt's blocks in
-    Redis, loaded by the engine's admission hook) and hot (blocks still in the pool).
+    Redis, prefetched by the job's thread as a worker does and copied in at admission)
+    and hot (blocks still in the pool).
     Medians of `runs`; each run uses fresh keys."""
+    from kvfleet.contracts import Sampling
     from kvstore.hooks import ColdTierHooks
     from workers.engine import Engine, EngineConfig
     from workers.model.loader import load_model
+    from workers.prefix import PrefixSharing, PrefixSharingEngine
 
     model = load_model("builtin:bench")
     prompt = [(i * 7919 + 13) % 256 for i in range(TTFT_PROMPT_TOKENS)]
 
     def engine(prefix: str) -> tuple[Engine, ColdTier]:
-        hooks = ColdTierHooks()
+        hooks = ColdTierHooks(staged_only=True)  # as a worker: the cold prefix is prefetched by the task thread
         e = Engine(model, EngineConfig(max_num_batched_tokens=TTFT_PROMPT_TOKENS), hooks=hooks)
         hooks.tier = ColdTier(connect(url), Keys(prefix), e.block_manager.fingerprint, e.kv_cache,
                               **{**TIER_OPTIONS, "kernels": e.kernels})
         return e, hooks.tier
 
-    def ttft(e: Engine, request_id: str) -> float:
+    def ttft(e: Engine, request_id: str, tier: ColdTier) -> float:
+        # The worker's path: the prefix step (hot/cold lookup, decision, prefetch) and then
+        # the engine; TTFT counts both.
+        # (No fleet single flight: one worker here; the prefix is published by hand below.)
+        generator = PrefixSharingEngine(e, PrefixSharing(e, tier, min_blocks=10**9))
         started = time.time()
-        return e.generate(request_id, prompt, 1).first_token_at - started
+        return generator.generate(request_id, prompt, 1, Sampling()).first_token_at - started
 
     samples: dict[str, list[float]] = {"recompute": [], "cold": [], "hot": []}
     for run in range(runs):
         prefix = f"bench{uuid.uuid4().hex[:8]}"
         first, tier = engine(prefix)
-        samples["recompute"].append(ttft(first, f"r{run}"))
+        samples["recompute"].append(ttft(first, f"r{run}", tier))
         hashes = first.block_manager.prefix_hashes(prompt)
         # Publish the blocks as the fleet's single-flight prefill does (workers/prefix.py).
         held = first.call_soon(lambda: tier.copy_out(hashes, first.block_manager.cached_block_ids(hashes)))
         tier.write(held.result())
-        samples["hot"].append(ttft(first, f"h{run}"))
+        samples["hot"].append(ttft(first, f"h{run}", tier))
         second, tier2 = engine(prefix)
-        samples["cold"].append(ttft(second, f"c{run}"))
+        samples["cold"].append(ttft(second, f"c{run}", tier2))
         if second.stats().outside_cache_hits != len(hashes):
             raise RuntimeError("the cold run did not load the whole prefix from Redis")
         for e, t in ((first, tier), (second, tier2)):
@@ -254,6 +261,69 @@ def measure_ttft(url: str, runs: int) -> dict:
     return {"ttft_s": med, "ttft_runs": samples,
             "ttft_cold_over_recompute": med["cold"] / med["recompute"],
             "ttft_hot_over_recompute": med["hot"] / med["recompute"]}
+
+
+# --- the result cache under a hot-key stream -------------------------------------------
+ZIPF_S, ZIPF_KEYS, ZIPF_CLIENTS, MODEL_S, RESULT_TTL_S = 1.1, 200, 64, 0.2, 2.0
+
+
+def result_cache_zipf(url: str, lock_url: str, seconds: float, *, protected: bool, seed: int = 7) -> dict:
+    """The seed's hot-key scenario: ZIPF_CLIENTS threads send requests whose prompts are
+    drawn from a Zipf(s = 1.1) law over ZIPF_KEYS distinct prompts, through the result
+    cache, for `seconds`. Every entry is written at once before the run, with the same
+    TTL, so they expire together (a synchronized expiry). The model is a sleep
+    (a 200 ms generation; it releases the GIL, as a GPU forward does). `protected`: the rebuild lock, stale
+    serving and ±10% jitter; else a cache-aside with the same TTL and no lock: every
+    request that finds its entry expired runs the model."""
+    import numpy as np
+
+    from kvfleet.contracts import Completion, JobRequest, Priority, Sampling
+    from workers.result_cache import ResultCache
+
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    cache = ResultCache(redis.Redis.from_url(url), Keys(prefix), FINGERPRINT, ttl_s=RESULT_TTL_S,
+                        grace_s=RESULT_TTL_S if protected else 0.0, lock_client=redis.Redis.from_url(lock_url),
+                        jitter=0.1 if protected else 0.0, use_lock=protected, poll_s=0.01)
+    jobs = [JobRequest(job_id=f"j{k}", tenant="bench", priority=Priority.NORMAL, model="m", max_new_tokens=8,
+                       submitted_at=0.0, prompt_tokens=[k, k + 1, k + 2], sampling=Sampling(cache=True))
+            for k in range(ZIPF_KEYS)]
+    invocations = [0]
+    lock = threading.Lock()
+
+    def model() -> Completion:
+        with lock:
+            invocations[0] += 1
+        time.sleep(MODEL_S)
+        now = time.time()
+        return Completion(text="x", tokens=[1] * 8, finish_reason="length", prompt_tokens=3, cached_tokens=0,
+                          started_at=now, first_token_at=now, finished_at=now)
+
+    for job in jobs:  # all written at once: their expiries line up
+        cache.get_or_run(job, "salt", model)
+    invocations[0] = 0
+    ranks = np.arange(1, ZIPF_KEYS + 1, dtype=float)
+    weights = ranks ** -ZIPF_S
+    weights /= weights.sum()
+    served = [0] * ZIPF_CLIENTS
+    stop = time.monotonic() + seconds
+
+    def client(i: int) -> None:
+        rng = np.random.default_rng(seed + i)
+        while time.monotonic() < stop:
+            cache.get_or_run(jobs[int(rng.choice(ZIPF_KEYS, p=weights))], "salt", model)
+            served[i] += 1
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(ZIPF_CLIENTS)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    wall = time.perf_counter() - started
+    cleanup(redis.Redis.from_url(url), prefix)
+    cleanup(redis.Redis.from_url(lock_url), prefix)
+    requests = sum(served)
+    return {"requests": requests, "model_invocations": invocations[0],
+            "backend_load": invocations[0] / requests, "hit_rate": 1 - invocations[0] / requests,
+            "requests_per_s": requests / wall, "seconds": wall}
 
 
 # --- report --------------------------------------------------------------------------
@@ -304,6 +374,10 @@ def main() -> None:
     finally:
         cleanup(redis.Redis.from_url(url), prefix)
     with_lock, without_lock = stampede(url, use_lock=True), stampede(url, use_lock=False)
+    state_url = local_redis.start(local_redis.STATE).rsplit("/", 1)[0] + f"/{BENCH_DB}"
+    zipf_s = 6.0 if args.quick else 20.0
+    zipf_on = result_cache_zipf(url, state_url, zipf_s, protected=True)
+    zipf_off = result_cache_zipf(url, state_url, zipf_s, protected=False)
     rows = tp["rows"]
     result = {
         "config": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
@@ -314,6 +388,9 @@ def main() -> None:
         "spill_vs_plain_redis": rows["cold spill fp16"]["wire_gbps"] / rows["plain SET"]["wire_gbps"],
         "int8_bytes_vs_fp16": tp["blob_bytes"]["int8"] / tp["blob_bytes"]["none"],
         **measure_ttft(url, 2 if args.quick else 5),
+        "result_cache": {"with_lock_and_jitter": zipf_on, "without": zipf_off},
+        "result_cache_backend_load_with_lock": zipf_on["backend_load"],
+        "result_cache_backend_load_without": zipf_off["backend_load"],
         "stampede_prefills_with_lock": with_lock["prefills"],
         "stampede_prefills_without_lock": without_lock["prefills"],
         "stampede": {"with_lock": with_lock, "without_lock": without_lock},
@@ -325,6 +402,9 @@ def main() -> None:
     print(f"engine thread per evicted block (copy out + queue): {hook['none']:.2f} ms fp16, {hook['int8']:.2f} ms int8")
     print(f"load vs plain redis: {result['load_vs_plain_redis']:.0%} (target >= 70%), "
           f"spill vs plain: {result['spill_vs_plain_redis']:.0%}, int8 bytes vs fp16: {result['int8_bytes_vs_fp16']:.0%}")
+    print(f"{'result cache (Zipf 1.1)':<26}{'backend load':>13}{'hit rate':>10}{'requests/s':>12}")
+    for name, z in result["result_cache"].items():
+        print(f"{name:<26}{z['backend_load']:>13.1%}{z['hit_rate']:>10.1%}{z['requests_per_s']:>12.0f}")
     for name, s in result["stampede"].items():
         print(f"stampede {name:<13} {s['prefills']:>4} prefills for {s['requests']} requests, "
               f"p50 {s['p50_s']:.2f}s p99 {s['p99_s']:.2f}s, wall {s['wall_s']:.1f}s")

@@ -45,12 +45,14 @@ def determined(job: JobRequest) -> bool:
 class ResultCache:
     def __init__(self, client: redis.Redis, keys: Keys, model_fingerprint: str, *, ttl_s: float,
                  lock_client: redis.Redis | None = None, grace_s: float | None = None,
-                 wait_timeout_s: float = 120.0) -> None:
+                 wait_timeout_s: float = 120.0, **cache_options) -> None:
+        """`cache_options`: more of `Cache`'s (jitter, use_lock: the benchmark's baseline
+        turns both off)."""
         self.keys = keys
         self.model_fingerprint = model_fingerprint
         self.cache = Cache(client, keys, name="result", ttl_s=ttl_s, grace_s=ttl_s if grace_s is None else grace_s,
                            lock_client=lock_client, wait_timeout_s=wait_timeout_s,
-                           decode=lambda raw: msgspec.msgpack.decode(raw, type=Completion))
+                           decode=lambda raw: msgspec.msgpack.decode(raw, type=Completion), **cache_options)
 
     def key(self, job: JobRequest, salt: str) -> str:
         """What the output depends on, digested: the namespace, the weights, the prompt,
