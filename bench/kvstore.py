@@ -1,5 +1,7 @@
 """Cold-tier benchmark: spill and load GB/s against plain redis-py on the same server in
-the same run, and a prefix stampede with and without the rebuild lock.
+the same run, a prefix stampede with and without the rebuild lock, the load-or-recompute
+decision's regret over a sweep of prefix lengths (the bench model here, and an 8B layout
+at a GPU's prefill rate), and the result cache under a Zipf hot-key stream.
 
     python bench/kvstore.py [--quick] [--device cpu|cuda] [--out bench/results]
 
@@ -263,6 +265,105 @@ def measure_ttft(url: str, runs: int) -> dict:
             "ttft_hot_over_recompute": med["hot"] / med["recompute"]}
 
 
+# --- load or recompute: the decision's regret -----------------------------------------
+REGRET_PREFIX_TOKENS = (64, 256, 1024, 2048)
+GPU_PREFILL_TOKENS_PER_S = 20_000.0  # an 8B model's prefill on one H100/H200-class GPU, about
+
+
+def decision_regret_bench_model(url: str, runs: int, lengths: tuple[int, ...] = REGRET_PREFIX_TOKENS) -> dict:
+    """TTFT of a prompt whose prefix sits in the cold tier, for a sweep of prefix lengths,
+    on the benchmark model: always loading, always recomputing, and as FetchDecision
+    chooses from this worker's live measurements. Regret = the decision's TTFT over the
+    better of the two (1.0 = it always picked the faster)."""
+    from kvfleet.contracts import Sampling
+    from kvstore.hooks import ColdTierHooks
+    from workers.engine import Engine, EngineConfig
+    from workers.model.loader import load_model
+    from workers.prefix import PrefixSharing, PrefixSharingEngine
+
+    model = load_model("builtin:bench")
+    rows = {}
+    for n_tokens in lengths:
+        prompt = [(i * 7919 + 13 + n_tokens) % 256 for i in range(n_tokens + 1)]
+        times: dict[str, list[float]] = {"load": [], "recompute": [], "decision": []}
+        chosen = []
+        for run in range(runs):
+            prefix = f"bench{uuid.uuid4().hex[:8]}"
+            hooks = ColdTierHooks(staged_only=True)
+            writer = Engine(model, EngineConfig(max_num_batched_tokens=4096), hooks=hooks)
+            hooks.tier = ColdTier(connect(url), Keys(prefix), writer.block_manager.fingerprint, writer.kv_cache,
+                                  **{**TIER_OPTIONS, "kernels": writer.kernels})
+            writer.generate("w", prompt, 1)
+            hashes = writer.block_manager.prefix_hashes(prompt)
+            hooks.tier.write(writer.call_soon(
+                lambda: hooks.tier.copy_out(hashes, writer.block_manager.cached_block_ids(hashes))).result())
+            for how in ("recompute", "load", "decision"):
+                rhooks = ColdTierHooks(staged_only=True)
+                e = Engine(model, EngineConfig(max_num_batched_tokens=4096), hooks=rhooks)
+                rhooks.tier = ColdTier(connect(url), Keys(prefix), e.block_manager.fingerprint, e.kv_cache,
+                                       **{**TIER_OPTIONS, "kernels": e.kernels})
+                # Warm the engine's step-cost fit, as a worker that has run jobs has it.
+                for k in range(20):
+                    e.generate(f"warm{k}", [(k * 31 + j) % 256 for j in range(8 + 24 * k)], 1)
+                rate = {"recompute": 1e15, "load": 1e-9, "decision": 0.0}[how]  # 0: measured
+                sharing = PrefixSharing(e, rhooks.tier, min_blocks=10**9, prefill_tokens_per_s=rate)
+                started = time.time()
+                result = PrefixSharingEngine(e, sharing).generate(f"{how}{run}", prompt, 1, Sampling())
+                times[how].append(result.first_token_at - started)
+                if how == "decision":
+                    chosen.append("load" if result.cached_tokens else "recompute")
+                e.shutdown()
+                rhooks.tier.close()
+            writer.shutdown()
+            hooks.tier.close()
+            cleanup(redis.Redis.from_url(url), prefix)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows[n_tokens] = {**{f"{k}_ttft_s": v for k, v in med.items()}, "chosen": chosen,
+                          "regret": med["decision"] / min(med["load"], med["recompute"])}
+    return {"rows": rows, "regret": max(r["regret"] for r in rows.values())}
+
+
+def decision_regret_8b_layout(url: str, rounds: int) -> dict:
+    """The same question for an 8B-shaped layout (2 MiB blocks of 16 tokens, 128 KiB a
+    token) on a GPU whose prefill rate is a setting (GPU_PREFILL_TOKENS_PER_S): loads are
+    measured here, from this Redis; recompute is tokens / rate. Often the answer is to
+    recompute: a 2,048-token prefix is 268 MB."""
+    from kvstore.decision import FetchDecision
+
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    blocks = max(REGRET_PREFIX_TOKENS) // BLOCK_SIZE
+    src, dst = make_pool(blocks, seed=1), make_pool(blocks, seed=2)
+    client = connect(url, timeout_s=10.0)
+    writer = ColdTier(client, Keys(prefix), FINGERPRINT, src, **{**TIER_OPTIONS, "spill_max_bytes": 4 * GiB})
+    reader = ColdTier(client, Keys(prefix), FINGERPRINT, dst, **TIER_OPTIONS)
+    hashes = [f"{i:032x}" for i in range(blocks)]
+    writer.write(writer.copy_out(hashes, list(range(blocks))))
+    decision = FetchDecision(blob_bytes=reader.blob_nbytes, block_tokens=BLOCK_SIZE,
+                             prefill_tokens_per_s=lambda: GPU_PREFILL_TOKENS_PER_S)
+    rows = {}
+    try:
+        for n_tokens in REGRET_PREFIX_TOKENS:
+            n = n_tokens // BLOCK_SIZE
+            loads = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                staged, nbytes = reader.prefetch(hashes[:n])
+                reader.load_staged(hashes[:n], lambda k: list(range(k)))
+                reader.unstage(staged)
+                loads.append(time.perf_counter() - started)
+                decision.observe_fetch(nbytes, loads[-1])
+            load_s, recompute_s = statistics.median(loads), n_tokens / GPU_PREFILL_TOKENS_PER_S
+            pick = "load" if decision.should_load(n) else "recompute"
+            rows[n_tokens] = {"load_s": load_s, "recompute_s": recompute_s, "chosen": pick,
+                              "regret": (load_s if pick == "load" else recompute_s) / min(load_s, recompute_s)}
+    finally:
+        writer.close()
+        reader.close()
+        cleanup(redis.Redis.from_url(url), prefix)
+    return {"gpu_prefill_tokens_per_s": GPU_PREFILL_TOKENS_PER_S, "rows": rows,
+            "regret": max(r["regret"] for r in rows.values())}
+
+
 # --- the result cache under a hot-key stream -------------------------------------------
 ZIPF_S, ZIPF_KEYS, ZIPF_CLIENTS, MODEL_S, RESULT_TTL_S = 1.1, 200, 64, 0.2, 2.0
 
@@ -376,6 +477,9 @@ def main() -> None:
     with_lock, without_lock = stampede(url, use_lock=True), stampede(url, use_lock=False)
     state_url = local_redis.start(local_redis.STATE).rsplit("/", 1)[0] + f"/{BENCH_DB}"
     zipf_s = 6.0 if args.quick else 20.0
+    regret_small = (decision_regret_bench_model(url, 1, REGRET_PREFIX_TOKENS[:3]) if args.quick
+                    else decision_regret_bench_model(url, 3))
+    regret_8b = decision_regret_8b_layout(url, 3 if args.quick else 7)
     zipf_on = result_cache_zipf(url, state_url, zipf_s, protected=True)
     zipf_off = result_cache_zipf(url, state_url, zipf_s, protected=False)
     rows = tp["rows"]
@@ -388,6 +492,9 @@ def main() -> None:
         "spill_vs_plain_redis": rows["cold spill fp16"]["wire_gbps"] / rows["plain SET"]["wire_gbps"],
         "int8_bytes_vs_fp16": tp["blob_bytes"]["int8"] / tp["blob_bytes"]["none"],
         **measure_ttft(url, 2 if args.quick else 5),
+        "decision_bench_model": regret_small,
+        "decision_8b_layout": regret_8b,
+        "fetch_decision_regret": max(regret_small["regret"], regret_8b["regret"]),
         "result_cache": {"with_lock_and_jitter": zipf_on, "without": zipf_off},
         "result_cache_backend_load_with_lock": zipf_on["backend_load"],
         "result_cache_backend_load_without": zipf_off["backend_load"],
@@ -402,6 +509,13 @@ def main() -> None:
     print(f"engine thread per evicted block (copy out + queue): {hook['none']:.2f} ms fp16, {hook['int8']:.2f} ms int8")
     print(f"load vs plain redis: {result['load_vs_plain_redis']:.0%} (target >= 70%), "
           f"spill vs plain: {result['spill_vs_plain_redis']:.0%}, int8 bytes vs fp16: {result['int8_bytes_vs_fp16']:.0%}")
+    print(f"{'load or recompute':<22}{'prefix':>7}{'load s':>9}{'recompute s':>12}{'chosen':>18}{'regret':>8}")
+    for name, res in (("bench model", regret_small), ("8B layout, GPU rate", regret_8b)):
+        for n, row in res["rows"].items():
+            load = row.get("load_ttft_s", row.get("load_s"))
+            rec = row.get("recompute_ttft_s", row.get("recompute_s"))
+            print(f"{name:<22}{n:>7}{load:>9.3f}{rec:>12.3f}{str(row['chosen']):>18}{row['regret']:>8.2f}")
+    print(f"fetch_decision_regret: {result['fetch_decision_regret']:.2f} (target <= 1.1)")
     print(f"{'result cache (Zipf 1.1)':<26}{'backend load':>13}{'hit rate':>10}{'requests/s':>12}")
     for name, z in result["result_cache"].items():
         print(f"{name:<26}{z['backend_load']:>13.1%}{z['hit_rate']:>10.1%}{z['requests_per_s']:>12.0f}")
