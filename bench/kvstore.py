@@ -364,6 +364,68 @@ def decision_regret_8b_layout(url: str, rounds: int) -> dict:
             "regret": max(r["regret"] for r in rows.values())}
 
 
+# --- one prefill per shared prefix, fleet-wide ------------------------------------------
+SHARED_PROCESSES, SHARED_PREFIX_TOKENS = 4, 1024
+
+
+def shared_prefix_process(url: str, state_url: str, prefix: str, index: int, requests: int, barrier, out) -> None:
+    """One worker process as the service builds it, serving `requests` prompts that all
+    begin with the same 1,024 tokens and end with a question of their own (32-128 tokens)."""
+    import random
+
+    import redis as redis_lib
+
+    from kvfleet.contracts import Sampling
+    from kvstore.hooks import ColdTierHooks
+    from workers.engine import Engine, EngineConfig
+    from workers.model.loader import load_model
+    from workers.prefix import PrefixSharing, PrefixSharingEngine
+
+    torch.set_num_threads(1)
+    hooks = ColdTierHooks(staged_only=True)
+    engine = Engine(load_model("builtin:bench"), EngineConfig(max_num_batched_tokens=2048), hooks=hooks)
+    hooks.tier = ColdTier(connect(url), Keys(prefix), engine.block_manager.fingerprint, engine.kv_cache,
+                          lock_client=redis_lib.Redis.from_url(state_url), **{**TIER_OPTIONS, "kernels": engine.kernels})
+    generator = PrefixSharingEngine(engine, PrefixSharing(engine, hooks.tier))
+    shared = [(i * 7919 + 13) % 256 for i in range(SHARED_PREFIX_TOKENS)]
+    rng = random.Random(index)
+    computed_shared, ttfts = 0, []
+    barrier.wait()  # every process sends its first request at the same moment
+    for r in range(requests):
+        suffix = [rng.randrange(256) for _ in range(rng.randint(32, 128))]
+        before = engine.stats().prompt_tokens_computed
+        started = time.time()
+        result = generator.generate(f"p{index}-{r}", shared + suffix, 1, Sampling())
+        ttfts.append(result.first_token_at - started)
+        # More tokens computed than the question holds: this request prefilled the
+        # shared blocks (the 1-token prefix run of a flight builder counts here too).
+        if engine.stats().prompt_tokens_computed - before >= SHARED_PREFIX_TOKENS:
+            computed_shared += 1
+    out.put({"shared_prefills": computed_shared, "ttfts": ttfts})
+    engine.shutdown()
+    hooks.tier.close()
+
+
+def shared_prefix_prefills(url: str, state_url: str, requests_per_process: int) -> dict:
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(SHARED_PROCESSES), ctx.Queue()
+    procs = [ctx.Process(target=shared_prefix_process,
+                         args=(url, state_url, prefix, i, requests_per_process, barrier, out))
+             for i in range(SHARED_PROCESSES)]
+    started = time.perf_counter()
+    [p.start() for p in procs]
+    results = [out.get(timeout=1800) for _ in procs]
+    wall = time.perf_counter() - started
+    [p.join(60) for p in procs]
+    cleanup(redis.Redis.from_url(url), prefix)
+    cleanup(redis.Redis.from_url(state_url), prefix)
+    ttfts = sorted(t for r in results for t in r["ttfts"])
+    return {"processes": SHARED_PROCESSES, "requests": len(ttfts), "shared_prefix_tokens": SHARED_PREFIX_TOKENS,
+            "shared_prefix_prefills": sum(r["shared_prefills"] for r in results),
+            "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p99_s": ttfts[int(len(ttfts) * 0.99) - 1], "wall_s": wall}
+
+
 # --- the result cache under a hot-key stream -------------------------------------------
 ZIPF_S, ZIPF_KEYS, ZIPF_CLIENTS, MODEL_S, RESULT_TTL_S = 1.1, 200, 64, 0.2, 2.0
 
@@ -477,6 +539,7 @@ def main() -> None:
     with_lock, without_lock = stampede(url, use_lock=True), stampede(url, use_lock=False)
     state_url = local_redis.start(local_redis.STATE).rsplit("/", 1)[0] + f"/{BENCH_DB}"
     zipf_s = 6.0 if args.quick else 20.0
+    shared = shared_prefix_prefills(url, state_url, 10 if args.quick else 200)
     regret_small = (decision_regret_bench_model(url, 1, REGRET_PREFIX_TOKENS[:3]) if args.quick
                     else decision_regret_bench_model(url, 3))
     regret_8b = decision_regret_8b_layout(url, 3 if args.quick else 7)
@@ -492,6 +555,8 @@ def main() -> None:
         "spill_vs_plain_redis": rows["cold spill fp16"]["wire_gbps"] / rows["plain SET"]["wire_gbps"],
         "int8_bytes_vs_fp16": tp["blob_bytes"]["int8"] / tp["blob_bytes"]["none"],
         **measure_ttft(url, 2 if args.quick else 5),
+        "shared_prefix": shared,
+        "shared_prefix_prefills": shared["shared_prefix_prefills"],
         "decision_bench_model": regret_small,
         "decision_8b_layout": regret_8b,
         "fetch_decision_regret": max(regret_small["regret"], regret_8b["regret"]),
@@ -509,6 +574,9 @@ def main() -> None:
     print(f"engine thread per evicted block (copy out + queue): {hook['none']:.2f} ms fp16, {hook['int8']:.2f} ms int8")
     print(f"load vs plain redis: {result['load_vs_plain_redis']:.0%} (target >= 70%), "
           f"spill vs plain: {result['spill_vs_plain_redis']:.0%}, int8 bytes vs fp16: {result['int8_bytes_vs_fp16']:.0%}")
+    print(f"shared prefix: {shared['shared_prefix_prefills']} prefills of the shared {SHARED_PREFIX_TOKENS} tokens "
+          f"for {shared['requests']} requests on {SHARED_PROCESSES} processes (target 1); "
+          f"TTFT p50 {shared['ttft_p50_s'] * 1e3:.0f} ms, p99 {shared['ttft_p99_s'] * 1e3:.0f} ms")
     print(f"{'load or recompute':<22}{'prefix':>7}{'load s':>9}{'recompute s':>12}{'chosen':>18}{'regret':>8}")
     for name, res in (("bench model", regret_small), ("8B layout, GPU rate", regret_8b)):
         for n, row in res["rows"].items():
