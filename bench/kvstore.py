@@ -426,6 +426,83 @@ def shared_prefix_prefills(url: str, state_url: str, requests_per_process: int) 
             "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p99_s": ttfts[int(len(ttfts) * 0.99) - 1], "wall_s": wall}
 
 
+# --- decode steps while cold prefixes arrive -------------------------------------------
+DECODE_SEQS, DECODE_TOKENS, ARRIVING, ARRIVING_PREFIX_TOKENS = 8, 160, 6, 1024
+
+
+def decode_steps_with_cold_loads(url: str) -> dict:
+    """Decode step time (the gap between a decoding sequence's tokens) of DECODE_SEQS
+    sequences on the bench model, p99: alone, then while ARRIVING jobs whose 1,024-token
+    prefixes are in the cold tier join them, loaded the worker's way (prefetched in the
+    job's thread, copied in at admission) and the old way (MGET on the step thread).
+    The arriving jobs compute only their last block: what they add to a step is the
+    load, not a prefill."""
+    from kvfleet.contracts import Sampling
+    from kvstore.hooks import ColdTierHooks
+    from workers.engine import Engine, EngineConfig
+    from workers.model.loader import load_model
+    from workers.prefix import PrefixSharing, PrefixSharingEngine
+
+    model = load_model("builtin:bench")
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    prompts = [[(i * 7919 + 13 * k) % 256 for i in range(ARRIVING_PREFIX_TOKENS + 8)] for k in range(1, ARRIVING + 1)]
+
+    def make(staged: bool) -> tuple[Engine, ColdTier]:
+        hooks = ColdTierHooks(staged_only=staged)
+        e = Engine(model, EngineConfig(max_num_batched_tokens=2048), hooks=hooks)
+        hooks.tier = ColdTier(connect(url), Keys(prefix), e.block_manager.fingerprint, e.kv_cache,
+                              **{**TIER_OPTIONS, "kernels": e.kernels})
+        return e, hooks.tier
+
+    writer, wtier = make(True)
+    for k, p in enumerate(prompts):  # the arriving prompts' blocks, in Redis
+        writer.generate(f"w{k}", p, 1)
+        hashes = writer.block_manager.prefix_hashes(p)
+        wtier.write(writer.call_soon(lambda h=hashes: wtier.copy_out(h, writer.block_manager.cached_block_ids(h))).result())
+    writer.shutdown()
+    wtier.close()
+
+    def run(mode: str) -> list[float]:
+        e, tier = make(mode != "step thread")
+        gaps: list[float] = []
+        last: dict[int, float] = {}
+
+        def on_token(i: int):
+            def tick(_token: int) -> None:
+                now = time.perf_counter()
+                if i in last:
+                    gaps.append(now - last[i])
+                last[i] = now
+            return tick
+
+        handles = [e.submit(f"d{i}", [(i * 13 + j) % 256 for j in range(32)], DECODE_TOKENS, ignore_eos=True,
+                            on_token=on_token(i)) for i in range(DECODE_SEQS)]
+        if mode != "alone":
+            time.sleep(0.5)  # the batch is decoding
+            generator = PrefixSharingEngine(e, PrefixSharing(e, tier, min_blocks=10**9, prefill_tokens_per_s=1.0))
+            threads = [threading.Thread(target=(generator.generate if mode == "prefetched" else e.generate),
+                                        args=(f"a{k}", p, 1) + ((Sampling(),) if mode == "prefetched" else ()))
+                       for k, p in enumerate(prompts)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+        [h.result() for h in handles]
+        e.shutdown()
+        tier.close()
+        return gaps
+
+    try:
+        out = {mode: run(mode) for mode in ("alone", "prefetched", "step thread")}
+    finally:
+        cleanup(redis.Redis.from_url(url), prefix)
+
+    def p99(v: list[float]) -> float:
+        return sorted(v)[int(len(v) * 0.99) - 1]
+
+    res = {mode: {"p50_ms": statistics.median(g) * 1e3, "p99_ms": p99(g) * 1e3} for mode, g in out.items()}
+    return {"rows": res, "decode_step_p99_with_cold_loads_over_without": res["prefetched"]["p99_ms"] / res["alone"]["p99_ms"],
+            "decode_step_p99_step_thread_loads_over_without": res["step thread"]["p99_ms"] / res["alone"]["p99_ms"]}
+
+
 # --- the result cache under a hot-key stream -------------------------------------------
 ZIPF_S, ZIPF_KEYS, ZIPF_CLIENTS, MODEL_S, RESULT_TTL_S = 1.1, 200, 64, 0.2, 2.0
 
@@ -540,6 +617,7 @@ def main() -> None:
     state_url = local_redis.start(local_redis.STATE).rsplit("/", 1)[0] + f"/{BENCH_DB}"
     zipf_s = 6.0 if args.quick else 20.0
     shared = shared_prefix_prefills(url, state_url, 10 if args.quick else 200)
+    decode = decode_steps_with_cold_loads(url)
     regret_small = (decision_regret_bench_model(url, 1, REGRET_PREFIX_TOKENS[:3]) if args.quick
                     else decision_regret_bench_model(url, 3))
     regret_8b = decision_regret_8b_layout(url, 3 if args.quick else 7)
@@ -557,6 +635,8 @@ def main() -> None:
         **measure_ttft(url, 2 if args.quick else 5),
         "shared_prefix": shared,
         "shared_prefix_prefills": shared["shared_prefix_prefills"],
+        "decode_steps": decode,
+        "decode_step_p99_with_cold_loads_over_without": decode["decode_step_p99_with_cold_loads_over_without"],
         "decision_bench_model": regret_small,
         "decision_8b_layout": regret_8b,
         "fetch_decision_regret": max(regret_small["regret"], regret_8b["regret"]),
@@ -577,6 +657,10 @@ def main() -> None:
     print(f"shared prefix: {shared['shared_prefix_prefills']} prefills of the shared {SHARED_PREFIX_TOKENS} tokens "
           f"for {shared['requests']} requests on {SHARED_PROCESSES} processes (target 1); "
           f"TTFT p50 {shared['ttft_p50_s'] * 1e3:.0f} ms, p99 {shared['ttft_p99_s'] * 1e3:.0f} ms")
+    for mode, row in decode["rows"].items():
+        print(f"decode step {mode:<12} p50 {row['p50_ms']:6.1f} ms  p99 {row['p99_ms']:6.1f} ms")
+    print(f"decode p99 with cold loads / without: {result['decode_step_p99_with_cold_loads_over_without']:.2f} "
+          f"(target <= 1.2; loads on the step thread: {decode['decode_step_p99_step_thread_loads_over_without']:.2f})")
     print(f"{'load or recompute':<22}{'prefix':>7}{'load s':>9}{'recompute s':>12}{'chosen':>18}{'regret':>8}")
     for name, res in (("bench model", regret_small), ("8B layout, GPU rate", regret_8b)):
         for n, row in res["rows"].items():
