@@ -53,6 +53,7 @@ from kvstore.expiry import DEFAULT_JITTER, jittered, physical_ttl_ms, xfetch_due
 from kvstore.lock import Lease
 from kvstore.singleflight import NO_VALUE, Entry, NoValueType, SingleFlight
 from kvstore.spill import SpillQueue
+from kvstore.wire import ParallelGet
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class ColdTier:
         poll_s: float = 0.1,
         use_lock: bool = True,
         refresh_beta: float = 1.0,
+        fetch_connections: int = 4,
     ) -> None:
         """`client` is the cache instance, from connect(). `kv_caches` is the
         engine's pool, one (k_cache, v_cache) pair per layer; blocks are copied out of
@@ -147,6 +149,9 @@ class ColdTier:
             wait_timeout_s=wait_timeout_s, poll_s=poll_s, early_refresh_beta=0.0, use_lock=use_lock,
         )
         self._lock_client = lock_client or client
+        #: Loads read over this many connections at once, validating as they read
+        #: (kvstore/wire.py): redis-py's MGET parser moved about half of what the socket can.
+        self._reader = ParallelGet(client, fetch_connections)
         #: XFetch's β for the early refresh of popular prefixes (kvstore/expiry.py).
         self.refresh_beta = refresh_beta
         # Blobs prefetched for jobs about to be admitted: hash -> [blob, jobs using it].
@@ -198,6 +203,7 @@ class ColdTier:
     def close(self) -> None:
         self.spill_queue.close()
         self._sealer.shutdown()
+        self._reader.close()
 
     def _copy_out(self, block_id: int) -> bytearray:
         buf = self._buffers.take()
@@ -249,7 +255,8 @@ class ColdTier:
 
     # --- admission side --------------------------------------------------------------
     def fetch(self, block_hashes: Sequence[BlockHash], *, rebuild_s: float = 0.0) -> list[KVBlob]:
-        """The longest run of valid blobs from the start of `block_hashes`, in one MGET.
+        """The longest run of valid blobs from the start of `block_hashes`, in one round
+        trip on each of a few connections (pipelined GETs, kvstore/wire.py).
 
         A hole ends the run: block i is only useful if blocks 0..i-1 are loaded too.
         Invalid blobs are deleted (a miss, never loaded). A run past its logical expiry
@@ -260,19 +267,27 @@ class ColdTier:
             return []
         ids = [hash_id(h) for h in block_hashes]
         keys = [self.keys.kv_block(self.namespace, i) for i in ids]
-        raws = self.client.mget(keys)
+
+        def check(i: int, raw: Optional[bytearray]) -> Union[KVBlob, BlobError, None]:
+            # In the reading thread: block i's crc32 runs while the next block arrives.
+            if raw is None:
+                return None
+            try:
+                return self.codec.open(raw, ids[i])
+            except BlobError as exc:
+                return exc
+
         blobs: list[KVBlob] = []
         rejected: list[str] = []
-        for key, block, raw in zip(keys, ids, raws):
-            if raw is None:
+        for key, found in zip(keys, self._reader.get_many(keys, check)):
+            if found is None:
                 break
-            try:
-                blobs.append(self.codec.open(raw, block))
-            except BlobError as exc:
-                metrics.KV_REJECTED.labels(exc.reason).inc()
-                log.warning("rejected a cold-tier blob; deleting it", extra={"key": key, "reason": str(exc)})
+            if isinstance(found, BlobError):
+                metrics.KV_REJECTED.labels(found.reason).inc()
+                log.warning("rejected a cold-tier blob; deleting it", extra={"key": key, "reason": str(found)})
                 rejected.append(key)
                 break
+            blobs.append(found)
         refresh: list[str] = []
         if blobs:
             now, expires_at = time.time(), min(blob.expires_at for blob in blobs)
