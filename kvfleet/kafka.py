@@ -19,9 +19,16 @@ from kvfleet.settings import KafkaSettings
 log = logging.getLogger(__name__)
 
 
+#: kafka-python backs off reconnects exponentially up to 30 s by default: after a broker
+#: restart the API kept failing sends for 26 s (bench/chaos.py). A broker is one of a few
+#: hosts; a retry a second is cheap and gives back service within about a second.
+RECONNECT = dict(reconnect_backoff_ms=50, reconnect_backoff_max_ms=1000)
+
+
 def make_producer(kafka: KafkaSettings, *, client_id: str) -> KafkaProducer:
     return KafkaProducer(
         **kafka.client_options,
+        **RECONNECT,
         client_id=client_id,
         acks="all",
         retries=10,
@@ -35,6 +42,7 @@ def make_producer(kafka: KafkaSettings, *, client_id: str) -> KafkaProducer:
 def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int) -> KafkaConsumer:
     return KafkaConsumer(
         **kafka.client_options,
+        **RECONNECT,
         group_id=kafka.group,
         client_id=client_id,
         enable_auto_commit=False,
@@ -49,7 +57,7 @@ def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int
 
 
 def make_admin(kafka: KafkaSettings, *, client_id: str) -> KafkaAdminClient:
-    return KafkaAdminClient(**kafka.client_options, client_id=client_id)
+    return KafkaAdminClient(**kafka.client_options, **RECONNECT, client_id=client_id)
 
 
 def ensure_topics(kafka: KafkaSettings) -> None:

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+import kombu.exceptions
 import redis
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
@@ -70,7 +71,8 @@ HEALTH_EVERY_S = 2.0
 #: seconds. A crash then re-reads at most this much of decided records, which intake
 #: recognises by their state. When the topics are quiet, commits go out at once.
 COMMIT_EVERY_S = 0.1
-_FAILURES = (redis.RedisError, KafkaError, OSError)
+# kombu's OperationalError: the Celery broker (the state Redis) dropped mid-send.
+_FAILURES = (redis.RedisError, KafkaError, OSError, kombu.exceptions.OperationalError)
 
 
 class MembershipStalled(RuntimeError):

@@ -55,3 +55,35 @@ def test_kvfleet_keeps_high_fast_and_sheds_only_bronze():
     assert p99_wait(kvfleet, Priority.HIGH) < 0.5 * p99_wait(fifo, Priority.HIGH)
     shed = [r for r in kvfleet.records if r.outcome == "shed"]
     assert shed and all(r.job.tier is Tier.BRONZE for r in shed)
+
+
+def test_a_batch_slows_each_job_by_b_per_companion():
+    """Alone, a job takes a + b per token; ten side by side take ten times b each step."""
+    from bench.sim.simulator import BatchService
+    from scheduler.policy import PendingJob
+
+    service = BatchService(a_s=0.01, b_s_per_token=0.001, workers=1)
+
+    def job(i):
+        return PendingJob(f"b{i}", "t", Tier.SILVER, Priority.NORMAL, prompt_tokens=100, max_new_tokens=50,
+                          enqueued_at=0.0)
+
+    def e2e(n):
+        result = simulate(Policy(), [job(i) for i in range(n)], capacity=10**6, service=service, tick_s=0.01)
+        return max(r.finished_at for r in result.records)
+
+    alone = 100 * 0.001 + 50 * (0.01 + 0.001)  # prefill stall, then 50 steps of one token
+    ten = 10 * 100 * 0.001 + 50 * (0.01 + 10 * 0.001)
+    assert abs(e2e(1) - alone) < 1e-9
+    assert abs(e2e(10) - ten) < 1e-9
+
+
+def test_goodput_counts_only_jobs_in_time():
+    from bench.sim.simulator import BatchService
+
+    w = Workload(seed=3, capacity_tokens=32_768, phases=(Phase(0, 20, 3.0),), timeout_s=10.0,
+                 service=BatchService(workers=1))
+    result = run(Policy(), w)
+    done = [r for r in result.records if r.outcome == "done"]
+    assert any(not r.in_time for r in done) and any(r.in_time for r in done)
+    assert all(r.in_time == (r.finished_at <= r.job.deadline) for r in done)

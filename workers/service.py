@@ -111,7 +111,13 @@ def main() -> None:
                   cancel=generator.cancel, draining=draining)
     # Celery's warm shutdown (SIGTERM, or SIGINT) stops consuming and waits for the
     # running tasks; the drain bounds that wait and withdraws the capacity meanwhile.
-    worker_shutting_down.connect(lambda **_: drain.begin(), weak=False)
+    stop_requested = threading.Event()  # a signal asked Celery to stop (not a crash of its own)
+
+    def shutting_down(**_) -> None:
+        stop_requested.set()
+        drain.begin()
+
+    worker_shutting_down.connect(shutting_down, weak=False)
     if settings.worker.metrics_port:
         start_http_server(settings.worker.metrics_port)
 
@@ -136,6 +142,12 @@ def main() -> None:
         log.info("worker stopped", extra={"worker_id": worker_id, "unhealthy": health.unhealthy.is_set()})
         if health.unhealthy.is_set():
             raise SystemExit(3)  # for the supervisor: restart this process, it is sick
+        if not stop_requested.is_set():
+            # Celery stopped by itself: kombu gives up with an "unrecoverable error" when
+            # the broker (the state Redis) restarts under it, and exits 0. Nobody asked for
+            # this stop, so the supervisor must restart the worker (bench/chaos.py found it).
+            log.error("Celery stopped without being asked to; exiting non-zero for a restart")
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,19 @@
 """Replays a workload through an admission policy with a virtual clock.
 
-The fleet is modelled as its token budget: a job holds `cost` tokens from admission
-until it finishes, `ServiceModel.seconds()` later (a floor plus time per prompt and
-per generated token; a job's speed does not depend on what else runs). Each priority
-topic has one partition per tenant (Kafka keys by tenant), read round-robin into the
-policy's buffer unless the policy paused it. Every `tick_s` the loop does what the
-service does around a poll: finish jobs, poll, `schedule()`, start the admitted.
+The fleet is its token budget: a job holds `cost` tokens from admission until it
+finishes. How long it runs is the service model's:
+- `BatchService` (the benchmark's): each worker runs one continuous batch; a step
+  computes one token for every decoding job on it plus the whole prompt of every job
+  joining it, and takes t(n) = a + b·n seconds for its n tokens (the engine's own
+  step-cost model, workers/engine/step_cost.py). So a job's time grows with the batch
+  it shares: every co-running job adds b to each of its steps, and every prompt that
+  joins its worker stalls it for b·prompt_tokens.
+- `ServiceModel`: a fixed time per job (a floor plus time per prompt and per generated
+  token), whatever else runs; the policy tests use it for exact timings.
+Each priority topic has one partition per tenant (Kafka keys by tenant), read
+round-robin into the policy's buffer unless the policy paused it. Every `tick_s` the
+loop does what the service does around a poll: finish jobs, poll, `schedule()`, start
+the admitted.
 
 Deterministic: the same `Workload` (seed included) gives the same jobs and results.
 """
@@ -39,6 +47,34 @@ class ServiceModel:
 
 
 @dataclass(frozen=True)
+class BatchService:
+    """Workers running continuous batches with a step time of a + b·n_tokens.
+
+    Not modelled: chunked prefill (a prompt is computed in the step it joins), the
+    engine's per-step token budget and sequence limit, and its priority guard
+    (`priority_step_slack`: lower-class tokens held back while a higher class runs).
+    A job is placed on the worker with the fewest reserved tokens; the budget is the
+    fleet's, so one worker may hold more than a quarter of it."""
+
+    #: Defaults: builtin:bench on one CPU thread, from bench/results/engine.json's
+    #: uncontended runs (step = concurrency / tokens_per_s at 1, 8, 32 and 64
+    #: concurrent: 3.8, 9.7, 27.7, 53 ms): a ≈ 3 ms, b ≈ 0.78 ms per token.
+    #: `python -m bench.sim.step_cost_probe` measures them again.
+    a_s: float = 0.003
+    b_s_per_token: float = 0.00078
+    workers: int = 4
+
+    def step_s(self, tokens: int) -> float:
+        return self.a_s + self.b_s_per_token * tokens
+
+    def worker_seconds_per_job(self, prompt_tokens: float, max_new_tokens: float, jobs_per_worker: float) -> float:
+        """Worker time one job uses with `jobs_per_worker` decoding beside it: its
+        tokens' b, plus its share of the fixed cost of the steps it decodes in."""
+        return self.a_s * max_new_tokens / max(1.0, jobs_per_worker) + self.b_s_per_token * (
+            prompt_tokens + max_new_tokens)
+
+
+@dataclass(frozen=True)
 class Phase:
     start_s: float
     end_s: float
@@ -51,7 +87,8 @@ class Phase:
 class SimTenant:
     name: str
     tier: Tier
-    traffic: float  # fraction of all jobs
+    traffic: float  # relative weight of its jobs among all tenants'
+    quota: float = 0.0  # its entitled fraction of the fleet (the Jain index's weight)
 
 
 @dataclass(frozen=True)
@@ -71,7 +108,12 @@ class Workload:
     ceilings: tuple[tuple[Priority, int], ...] = ((Priority.HIGH, 8192), (Priority.NORMAL, 4096), (Priority.LOW, 1024))
     oversize: float = 0.01
     timeout_s: float = 600.0  # deadline = arrival + this (the API's default SLA)
-    service: ServiceModel = ServiceModel()
+    #: Per-class deadlines (seconds after arrival); a class not listed uses `timeout_s`.
+    timeouts: tuple[tuple[Priority, float], ...] = ()
+    service: ServiceModel | BatchService = ServiceModel()
+
+    def timeout(self, priority: Priority) -> float:
+        return dict(self.timeouts).get(priority, self.timeout_s)
 
 
 def _shape(rng: random.Random, w: Workload) -> tuple[Priority, SimTenant, int, int]:
@@ -91,22 +133,33 @@ def _shape(rng: random.Random, w: Workload) -> tuple[Priority, SimTenant, int, i
     return priority, tenant, prompt, max_new
 
 
-def make_jobs(w: Workload) -> list[PendingJob]:
-    """Poisson arrivals per phase, at the rate that offers `load` × the fleet's capacity."""
+def jobs_per_s_at_full_load(w: Workload) -> float:
+    """The rate of the mean job the fleet serves with its budget full (load 1.0)."""
     probe = random.Random(w.seed ^ 0x5EED)
     sample = [_shape(probe, w) for _ in range(20_000)]
+    if isinstance(w.service, BatchService):
+        prompt = sum(p for _, _, p, _ in sample) / len(sample)
+        new = sum(n for _, _, _, n in sample) / len(sample)
+        per_worker = w.capacity_tokens / w.service.workers / (prompt + new)  # jobs decoding side by side
+        return w.service.workers / w.service.worker_seconds_per_job(prompt, new, per_worker)
     mean_token_s = sum((p + n) * w.service.seconds(p, n) for _, _, p, n in sample) / len(sample)
+    return w.capacity_tokens / mean_token_s
+
+
+def make_jobs(w: Workload) -> list[PendingJob]:
+    """Poisson arrivals per phase, at the rate that offers `load` × what the fleet serves."""
+    full = jobs_per_s_at_full_load(w)
     rng = random.Random(w.seed)
     jobs: list[PendingJob] = []
     partition = {t.name: k for k, t in enumerate(w.tenants)}
     for phase in w.phases:
-        rate = phase.load * w.capacity_tokens / mean_token_s  # jobs per second
+        rate = phase.load * full  # jobs per second
         t = phase.start_s + rng.expovariate(rate)
         while t < phase.end_s:
             priority, tenant, prompt, max_new = _shape(rng, w)
             jobs.append(PendingJob(
                 job_id=f"j{len(jobs):06d}", tenant=tenant.name, tier=tenant.tier, priority=priority,
-                prompt_tokens=prompt, max_new_tokens=max_new, enqueued_at=t, deadline=t + w.timeout_s,
+                prompt_tokens=prompt, max_new_tokens=max_new, enqueued_at=t, deadline=t + w.timeout(priority),
                 partition=partition[tenant.name]))
             t += rng.expovariate(rate)
     return jobs
@@ -117,7 +170,7 @@ class JobRecord:
     job: PendingJob
     outcome: str = "waiting"  # done | expired | rejected | shed | waiting (never decided)
     admitted_at: Optional[float] = None
-    finished_at: Optional[float] = None  # done: finished; otherwise when it left
+    finished_at: Optional[float] = None  # done: finished (None while running); otherwise when it left
 
     @property
     def wait(self) -> Optional[float]:
@@ -125,7 +178,13 @@ class JobRecord:
 
     @property
     def e2e(self) -> Optional[float]:
-        return None if self.outcome != "done" else self.finished_at - self.job.enqueued_at
+        return None if self.outcome != "done" or self.finished_at is None else self.finished_at - self.job.enqueued_at
+
+    @property
+    def in_time(self) -> bool:
+        """Finished before its deadline: its tokens count as goodput."""
+        return (self.outcome == "done" and self.finished_at is not None
+                and (self.job.deadline is None or self.finished_at <= self.job.deadline))
 
 
 @dataclass
@@ -136,25 +195,88 @@ class SimResult:
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
 
 
-class _Fleet:
-    """The token budget and the jobs running on it."""
+class _Worker:
+    """One continuous batch on a virtual clock. Steps are counted, not enumerated: while
+    the batch does not change, every job on it gains one token per a + b·n seconds, so a
+    job joining at step S with m tokens to generate leaves at step S + m. A joining
+    prompt adds b·prompt_tokens to the next step (`stall_s`), for every job on it."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, service: BatchService) -> None:
+        self.service = service
+        self.clock = 0.0
+        self.steps = 0.0  # decode steps done since the start (fractional between events)
+        self.stall_s = 0.0  # prefill time still to pay before decoding goes on
+        self.reserved = 0  # tokens of the jobs on it: placement's load measure
+        self.running: list[tuple[float, int, PendingJob]] = []  # heap by the step it finishes at
+
+    def join(self, job: PendingJob, seq: int) -> None:
+        self.stall_s += self.service.b_s_per_token * job.prompt_tokens
+        self.reserved += job.cost
+        heapq.heappush(self.running, (self.steps + job.max_new_tokens, seq, job))
+
+    def advance(self, to: float) -> list[tuple[PendingJob, float]]:
+        """Run the batch until `to`; the jobs that finished, with when."""
+        finished: list[tuple[PendingJob, float]] = []
+        while self.clock < to and self.running:
+            if self.stall_s > 0:
+                paid = min(self.stall_s, to - self.clock)
+                self.clock += paid
+                self.stall_s -= paid
+                continue
+            step_s = self.service.step_s(len(self.running))  # one decode token per job
+            at = self.clock + (self.running[0][0] - self.steps) * step_s
+            if at > to:
+                self.steps += (to - self.clock) / step_s
+                break
+            self.clock, self.steps = at, self.running[0][0]
+            while self.running and self.running[0][0] <= self.steps:
+                job = heapq.heappop(self.running)[2]
+                self.reserved -= job.cost
+                finished.append((job, at))
+        self.clock = max(self.clock, to)
+        if not self.running:
+            self.stall_s = 0.0
+        return finished
+
+
+class _Fleet:
+    """The token budget and the jobs running on it, under either service model."""
+
+    def __init__(self, capacity: int, service: ServiceModel | BatchService) -> None:
         self.capacity = capacity
+        self.service = service
         self.in_use = 0
         self.by_tenant: dict[str, int] = {}
         self.by_class: dict[Priority, int] = {}
-        self.running: list[tuple[float, int, PendingJob]] = []  # heap by finish time
+        self.fixed: list[tuple[float, int, PendingJob]] = []  # ServiceModel: heap by finish time
+        self.workers = [_Worker(service) for _ in range(service.workers)] if isinstance(service, BatchService) else []
         self._seq = itertools.count()
 
-    def start(self, job: PendingJob, finish_at: float) -> None:
-        self._add(job, job.cost)
-        heapq.heappush(self.running, (finish_at, next(self._seq), job))
+    @property
+    def busy(self) -> bool:
+        return bool(self.fixed) or any(w.running for w in self.workers)
 
-    def finish_until(self, now: float) -> None:
-        while self.running and self.running[0][0] <= now:
-            _, _, job = heapq.heappop(self.running)
+    def start(self, job: PendingJob, now: float) -> Optional[float]:
+        """Start `job` now; its finish time if the service model knows it already."""
+        self._add(job, job.cost)
+        if not self.workers:
+            finish = now + self.service.seconds(job.prompt_tokens, job.max_new_tokens)
+            heapq.heappush(self.fixed, (finish, next(self._seq), job))
+            return finish
+        min(self.workers, key=lambda w: w.reserved).join(job, next(self._seq))
+        return None
+
+    def finish_until(self, now: float) -> list[tuple[PendingJob, float]]:
+        """Release the jobs finished by `now`; each with its finish time."""
+        finished = []
+        while self.fixed and self.fixed[0][0] <= now:
+            finish, _, job = heapq.heappop(self.fixed)
+            finished.append((job, finish))
+        for w in self.workers:
+            finished.extend(w.advance(now))
+        for job, _ in finished:
             self._add(job, -job.cost)
+        return finished
 
     def _add(self, job: PendingJob, tokens: int) -> None:
         self.in_use += tokens
@@ -189,18 +311,19 @@ class _Topics:
         return sum(len(q) for q in self.partitions.values())
 
 
-def simulate(policy: Policy, jobs: list[PendingJob], *, capacity: int, service: ServiceModel,
+def simulate(policy: Policy, jobs: list[PendingJob], *, capacity: int, service: ServiceModel | BatchService,
              tick_s: float = 0.05, horizon_s: float = 3600.0) -> SimResult:
     """Run until every job is decided and finished (or `horizon_s` after the last arrival)."""
     arrivals = sorted(jobs, key=lambda j: (j.enqueued_at, j.job_id))
     records = {j.job_id: JobRecord(j) for j in arrivals}
-    fleet, topics = _Fleet(capacity), _Topics()
+    fleet, topics = _Fleet(capacity, service), _Topics()
     result = SimResult(policy.name, list(records.values()))
     end = (arrivals[-1].enqueued_at if arrivals else 0.0) + horizon_s
     next_sample, i, step = 0.0, 0, 0
-    while (i < len(arrivals) or len(topics) or policy.pending() or fleet.running) and step * tick_s <= end:
+    while (i < len(arrivals) or len(topics) or policy.pending() or fleet.busy) and step * tick_s <= end:
         now = step * tick_s  # a multiple, not a running sum: no drift in the clock
-        fleet.finish_until(now)
+        for job, finished_at in fleet.finish_until(now):
+            records[job.job_id].finished_at = finished_at
         while i < len(arrivals) and arrivals[i].enqueued_at <= now:
             topics.produce(arrivals[i])
             i += 1
@@ -209,9 +332,7 @@ def simulate(policy: Policy, jobs: list[PendingJob], *, capacity: int, service: 
                 policy.add(job)
         decision = policy.schedule(now, fleet.budget())
         for job in decision.admit:
-            finish = now + service.seconds(job.prompt_tokens, job.max_new_tokens)
-            fleet.start(job, finish)
-            records[job.job_id].admitted_at, records[job.job_id].finished_at = now, finish
+            records[job.job_id].admitted_at, records[job.job_id].finished_at = now, fleet.start(job, now)
             records[job.job_id].outcome = "done"
         for outcome, verdicts in (("expired", decision.expire), ("rejected", decision.reject), ("shed", decision.shed)):
             for v in verdicts:
@@ -220,6 +341,6 @@ def simulate(policy: Policy, jobs: list[PendingJob], *, capacity: int, service: 
             result.timeline.append((now, len(topics) + policy.pending(), fleet.in_use))
             next_sample += 1.0
         step += 1
-        if not (len(topics) or policy.pending() or fleet.running) and i < len(arrivals):
+        if not (len(topics) or policy.pending() or fleet.busy) and i < len(arrivals):
             step = max(step, math.ceil(arrivals[i].enqueued_at / tick_s))  # idle: skip ahead
     return result

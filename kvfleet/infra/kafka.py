@@ -116,7 +116,11 @@ def _ensure_formatted(props: Path) -> None:
         # A Kafka cluster id is a base64url-encoded UUID (22 chars), like `random-uuid`.
         import base64
 
-        cluster_id.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))
+        # Never one that starts with "-": StorageTool would read it as an option (1 in 64).
+        new_id = "-"
+        while new_id.startswith("-"):
+            new_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id.write_text(new_id)
     subprocess.run(
         _java("kafka.tools.StorageTool", "format", "-t", cluster_id.read_text().strip(), "-c", str(props)),
         check=True, stdout=subprocess.DEVNULL,
