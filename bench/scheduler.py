@@ -78,7 +78,7 @@ POLICIES = (Policy, FifoPolicy, StrictPriorityPolicy)
 BASELINES = ("fifo", "strict")
 HELLO = ByteTokenizer().encode("hello")  # builtin:tiny's tokens for "hello", as the API sends them
 CONFIG = PolicyConfig()
-SERVICE = BatchService()
+SERVICE = BatchService(max_seqs=16)  # 16 threads a worker: its Celery concurrency
 ABUSE = 10.0  # the abusive tenant sends this many times its quota's share of the jobs
 SIM_TENANTS = (
     SimTenant("gold-co", Tier.GOLD, traffic=0.3, quota=0.3),

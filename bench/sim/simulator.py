@@ -63,6 +63,9 @@ class BatchService:
     a_s: float = 0.003
     b_s_per_token: float = 0.00078
     workers: int = 4
+    #: Jobs a worker runs at once (its engine's max_num_seqs, its Celery threads); the
+    #: rest wait on it, first come first served, as tasks in its Celery queue do. 0: no limit.
+    max_seqs: int = 0
 
     def step_s(self, tokens: int) -> float:
         return self.a_s + self.b_s_per_token * tokens
@@ -208,10 +211,21 @@ class _Worker:
         self.stall_s = 0.0  # prefill time still to pay before decoding goes on
         self.reserved = 0  # tokens of the jobs on it: placement's load measure
         self.running: list[tuple[float, int, PendingJob]] = []  # heap by the step it finishes at
+        self.queued: deque[tuple[PendingJob, int]] = deque()  # past max_seqs: wait for a thread, FIFO
+
+    @property
+    def jobs(self) -> int:
+        return len(self.running) + len(self.queued)
 
     def join(self, job: PendingJob, seq: int) -> None:
-        self.stall_s += self.service.b_s_per_token * job.prompt_tokens
         self.reserved += job.cost
+        if self.service.max_seqs and len(self.running) >= self.service.max_seqs:
+            self.queued.append((job, seq))
+            return
+        self._run(job, seq)
+
+    def _run(self, job: PendingJob, seq: int) -> None:
+        self.stall_s += self.service.b_s_per_token * job.prompt_tokens
         heapq.heappush(self.running, (self.steps + job.max_new_tokens, seq, job))
 
     def advance(self, to: float) -> list[tuple[PendingJob, float]]:
@@ -233,6 +247,8 @@ class _Worker:
                 job = heapq.heappop(self.running)[2]
                 self.reserved -= job.cost
                 finished.append((job, at))
+            while self.queued and len(self.running) < self.service.max_seqs:
+                self._run(*self.queued.popleft())  # a thread came free
         self.clock = max(self.clock, to)
         if not self.running:
             self.stall_s = 0.0
@@ -284,7 +300,11 @@ class _Fleet:
         self.by_class[job.priority] = self.by_class.get(job.priority, 0) + tokens
 
     def budget(self) -> Budget:
-        return Budget(self.capacity, self.in_use, dict(self.by_tenant), dict(self.by_class))
+        # Slots as the workers' heartbeats report them (kvfleet/capacity.py): the policy
+        # admits into free threads; FIFO and strict priority do not look (their `_admit`).
+        slots = self.service.max_seqs * self.service.workers if isinstance(self.service, BatchService) else 0
+        jobs = sum(w.jobs for w in self.workers) if slots else 0
+        return Budget(self.capacity, self.in_use, dict(self.by_tenant), dict(self.by_class), slots=slots, jobs=jobs)
 
 
 class _Topics:
