@@ -1,7 +1,7 @@
 """Engine throughput against the baseline a user would otherwise write, and prefix-cache TTFT.
 
-    python -m bench.engine [--quick] [--threads N] [--device cpu|cuda] [--kernels auto|triton|torch]
-                           [--attention paged|sdpa] [--results DIR]
+    python -m bench.engine [--quick] [--spec-only] [--threads N] [--device cpu|cuda]
+                           [--kernels auto|triton|torch] [--attention paged|sdpa] [--results DIR]
     (from the repository root)
 
 1. Throughput (generated tokens/s) of the engine on builtin:bench with 1, 8, 32 and 64
@@ -14,6 +14,15 @@
    flight at once. Mean time to first token when the prefix is already in the pool
    (one warm-up request ran before) against requests whose prefixes are all distinct
    (same lengths, nothing to share).
+3. Speculative decoding (workers/engine/spec.py) on builtin:english, whose text is real
+   English: generated tokens/s with and without, at 1 and 8 requests in flight, and the
+   drafts' acceptance rate. Repetitive: greedy continuations of prompts that repeat
+   themselves (code with repeated lines, a text quoted to be quoted again), which this
+   small model continues by repeating them and itself. Non-repetitive: ordinary prompts
+   (the first line of held-out fortunes) sampled at temperature 1, whose text does not
+   repeat, so drafts are mostly rejected: what speculation costs when it cannot help.
+   Each pair runs alternately, best of a few (other processes only ever slow a run).
+   `--spec-only` runs just this part and merges its keys into an existing engine.json.
 
 Peak RSS is sampled every 10 ms during each run. Results: a table on stdout,
 bench/results/engine.json and bench/results/engine.png.
@@ -39,8 +48,11 @@ import matplotlib  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from msgspec.structs import replace  # noqa: E402
 
 from kernels import ops  # noqa: E402
+from kvfleet.contracts import Sampling  # noqa: E402
+from kvfleet.modelinfo import PACKAGED_DIR  # noqa: E402
 from kvfleet.settings import Settings  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.model import LoadedModel, load_model  # noqa: E402
@@ -140,6 +152,105 @@ def run_prefix(loaded: LoadedModel, n: int, prefix_len: int, cached: bool, base:
             "cached_tokens_per_request": sum(c.cached_tokens for c in done) / n, "peak_rss_mib": rss.mib}
 
 
+def spec_workloads(loaded: LoadedModel, n: int) -> dict[str, tuple[list[list[int]], Sampling]]:
+    """name -> (prompts, sampling); see the module docstring, part 3."""
+    text = (PACKAGED_DIR / "english" / "heldout.txt").read_text(encoding="utf-8")
+    fortunes = [f.strip() for f in text.split("\n%\n") if len(f.strip()) > 40]
+    ops_ = [("add", "+"), ("sub", "-"), ("mul", "*"), ("div", "/"), ("mod", "%"), ("pow", "**")]
+    repetitive = []
+    for i in range(n):
+        if i % 2:  # code with repeated lines, one more function begun
+            defs = "".join(f"def {name}(a, b):\n    return a {op} b\n\n" for name, op in ops_[:3 + i % 3])
+            repetitive.append(f"{defs}def {ops_[3 + i % 3][0]}(a, b):\n")
+        else:  # a text, and the start of quoting it again
+            f = fortunes[i % len(fortunes)][:240]
+            repetitive.append(f"{f}\n\nThe same text again, word for word:\n\n{' '.join(f.split()[:3])}")
+    ordinary = [fortunes[(7 * i + 3) % len(fortunes)].split("\n")[0][:80] for i in range(n)]
+    enc = loaded.tokenizer.encode
+    return {"repetitive": ([enc(p) for p in repetitive], Sampling()),
+            "nonrepetitive": ([enc(p) for p in ordinary], Sampling(temperature=1.0))}
+
+
+def run_spec_once(loaded: LoadedModel, prompts: list[list[int]], sampling: Sampling, speculative: bool,
+                  concurrency: int, max_new: int, base: EngineConfig) -> dict:
+    config = dataclasses.replace(base, kv_memory_bytes=128 * 2**20, max_num_seqs=concurrency)
+    with Engine(loaded, config) as engine:
+        engine.generate("warm-up", prompts[0][:8], 2)
+        before = engine.stats()
+        cpu = psutil.Process().cpu_times()
+        start = time.perf_counter()
+        # Seeded per request, so the sampled workload's requests are the same on both sides.
+        handles = [engine.submit(f"s{i}", p, max_new, replace(sampling, seed=i, speculative=speculative),
+                                 ignore_eos=True) for i, p in enumerate(prompts)]
+        outputs = [h.result().tokens for h in handles]
+        wall = time.perf_counter() - start
+        cpu_after = psutil.Process().cpu_times()
+        stats = engine.stats()
+    tokens = sum(map(len, outputs))
+    # CPU seconds of this process: what the run cost, whatever else the machine ran meanwhile.
+    cpu_s = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
+    drafted = stats.spec_draft_tokens - before.spec_draft_tokens
+    accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu_s,
+            # Each step a sequence samples in gives it its accepted drafts + 1 tokens.
+            "steps": stats.steps - before.steps, "seq_steps": tokens - accepted,
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None, "outputs": outputs}
+
+
+def run_spec(loaded: LoadedModel, workload: tuple[list[list[int]], Sampling], concurrency: int, max_new: int,
+             repeats: int, base: EngineConfig) -> dict:
+    """Tokens/s without and with speculation, run alternately `repeats` times; the best of each."""
+    prompts, sampling = workload
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(repeats):
+        for speculative in (False, True):
+            runs[speculative].append(run_spec_once(loaded, prompts, sampling, speculative, concurrency, max_new, base))
+    plain, spec = (max(runs[k], key=lambda r: r["tokens_per_s"]) for k in (False, True))
+    cpu = {k: max(r["tokens_per_cpu_s"] for r in runs[k]) for k in (False, True)}
+    same = plain["outputs"] == spec["outputs"]
+    if sampling.temperature == 0 and not same:
+        raise AssertionError("greedy speculative decoding changed the output")
+    return {"concurrency": concurrency, "requests": len(prompts), "max_new_tokens": max_new,
+            "temperature": sampling.temperature, "plain_tokens_per_s": plain["tokens_per_s"],
+            "spec_tokens_per_s": spec["tokens_per_s"], "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+            "speedup_cpu_time": cpu[True] / cpu[False],
+            "acceptance_rate": spec["acceptance_rate"], "draft_tokens": spec["draft_tokens"],
+            "accepted_tokens": spec["accepted_tokens"],
+            # Tokens a sequence gets per step it is in: 1 without speculation.
+            "tokens_per_seq_step": spec["tokens"] / spec["seq_steps"], "same_tokens": same,
+            "all_tokens_per_s": {"plain": [r["tokens_per_s"] for r in runs[False]],
+                                 "spec": [r["tokens_per_s"] for r in runs[True]]}}
+
+
+def spec_section(quick: bool, device: str, base: EngineConfig) -> dict:
+    loaded = load_model("builtin:english", device=device)
+    max_new, repeats = (96, 3) if quick else (192, 5)
+    runs = []
+    for name, (prompts, sampling) in spec_workloads(loaded, 8 if quick else 16).items():
+        for concurrency in (1, 8):
+            # Alone, a few requests one after another: the latency-bound case speculation is for.
+            chosen = prompts[:4 if quick else 8] if concurrency == 1 else prompts
+            r = run_spec(loaded, (chosen, sampling), concurrency, max_new, repeats, base)
+            runs.append({"workload": name, **r})
+    at_1 = {r["workload"]: r for r in runs if r["concurrency"] == 1}
+    return {"spec_speedup_repetitive": at_1["repetitive"]["speedup"],
+            "spec_speedup_nonrepetitive": at_1["nonrepetitive"]["speedup"],
+            "spec_acceptance_repetitive": at_1["repetitive"]["acceptance_rate"],
+            "spec_acceptance_nonrepetitive": at_1["nonrepetitive"]["acceptance_rate"],
+            "spec": {"model": "builtin:english", "spec_tokens": base.spec_tokens, "runs": runs}}
+
+
+def print_spec(spec: dict) -> None:
+    print(f"{'speculative decoding':<28}{'conc.':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}"
+          f"{'(CPU time)':>11}{'accepted':>10}{'tok/seq-step':>14}")
+    for r in spec["spec"]["runs"]:
+        rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
+        print(f"{r['workload'] + (' (greedy)' if r['temperature'] == 0 else ' (T=1)'):<28}{r['concurrency']:>6}"
+              f"{r['plain_tokens_per_s']:>13.0f}{r['spec_tokens_per_s']:>12.0f}{r['speedup']:>8.2f}x"
+              f"{r['speedup_cpu_time']:>10.2f}x{rate:>10}{r['tokens_per_seq_step']:>14.2f}")
+
+
 def plot(engine_runs: list[dict], hf: dict, prefix: list[dict], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     xs = [r["concurrency"] for r in engine_runs]
@@ -157,6 +268,8 @@ def plot(engine_runs: list[dict], hf: dict, prefix: list[dict], path: Path) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, shorter outputs (about two minutes)")
+    parser.add_argument("--spec-only", action="store_true",
+                        help="only the speculative-decoding part; its keys are merged into engine.json")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, for both sides")
     parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
     env = Settings.from_env().engine  # KVFLEET_KERNELS / KVFLEET_ATTENTION, as a worker reads them
@@ -169,9 +282,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
 
-    loaded = load_model("builtin:bench", device=args.device)
     base = EngineConfig(kernels=args.kernels, attention=args.attention)
     kernels = ops.select(base.kernels, base.attention)  # what the engines below run
+    if args.spec_only:
+        spec = spec_section(args.quick, args.device, base)
+        print_spec(spec)
+        path = args.results / "engine.json"
+        results = json.loads(path.read_text()) if path.exists() else {}
+        results.update(spec)
+        results.setdefault("setup", {})["spec_setup"] = {
+            "quick": args.quick, "threads": args.threads, "load_avg_before": load_before,
+            "load_avg_after": os.getloadavg(), "kernels": kernels.backend, "attention": kernels.attention}
+        args.results.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        return
+
+    loaded = load_model("builtin:bench", device=args.device)
     prompt_lens, output_lens = (16, 256), ((32, 128) if args.quick else (64, 256))
     # Twice as many requests as slots (one at concurrency 1 aside): finished requests are
     # replaced mid-run, as in a steady stream, instead of the batch draining in one wave.
@@ -181,12 +307,14 @@ def main() -> None:
     n_prefix = 16 if args.quick else 64
     prefix = [run_prefix(loaded, n_prefix, 1024, cached=False, base=base),
               run_prefix(loaded, n_prefix, 1024, cached=True, base=base)]
+    spec = spec_section(args.quick, args.device, base)
 
     at_32 = next(r for r in engine_runs if r["concurrency"] == 32)
     results = {
         "speedup_vs_hf_at_32": at_32["tokens_per_s"] / hf["tokens_per_s"],
         "ttft_prefix_cached_over_uncached": prefix[1]["mean_ttft_s"] / prefix[0]["mean_ttft_s"],
-        "engine": engine_runs, "hf_generate": hf, "prefix": prefix,
+        **{k: v for k, v in spec.items() if k != "spec"},
+        "engine": engine_runs, "hf_generate": hf, "prefix": prefix, "spec": spec["spec"],
         "setup": {"quick": args.quick, "threads": args.threads, "cpus": os.cpu_count(),
                   "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                   "prompt_lens": prompt_lens, "output_lens": output_lens,
@@ -205,6 +333,7 @@ def main() -> None:
     print(f"speedup vs HF at 32: {results['speedup_vs_hf_at_32']:.1f}x; "
           f"cached/uncached TTFT: {results['ttft_prefix_cached_over_uncached']:.3f}; "
           f"load average {load_before[0]:.1f} -> {results['setup']['load_avg_after'][0]:.1f} on {os.cpu_count()} CPUs")
+    print_spec(spec)
 
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "engine.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -98,6 +98,9 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: (greedy or seeded only, and only for a tenant with `result_cache`): the same
     #: output, without running the model.
     cache: bool = False
+    #: Speculative decoding (prompt-lookup drafts the model verifies): the same output,
+    #: sooner when it repeats the prompt. None: the worker's KVFLEET_ENGINE_SPECULATE.
+    speculative: Optional[bool] = None
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

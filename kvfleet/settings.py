@@ -377,6 +377,15 @@ class EngineConfig:
     #: an online request's steps at most 25% slower while a batch runs; on a GPU, where
     #: a decode token costs almost nothing, that is nearly no limit. `inf`: no guard.
     priority_step_slack: float = knob(0.25, "PRIORITY_STEP_SLACK", float, lo=0)
+    #: Speculative decoding (workers/engine/spec.py) for requests whose
+    #: `Sampling.speculative` is None: prompt-lookup drafts verified in one forward. The
+    #: same output (greedy exactly, sampling in distribution), faster when the output
+    #: repeats its prompt or itself; off, as on a large batch the drafts' rows cost
+    #: real compute (docs/engine.md, "Speculative decoding", has the measurements).
+    speculate: bool = knob(False, "ENGINE_SPECULATE", _bool)
+    #: Most draft tokens a speculating sequence verifies in one step. 4: the first drafts
+    #: carry most of the gain; a longer guess is rarely all right.
+    spec_tokens: int = knob(4, "ENGINE_SPEC_TOKENS", int, lo=1)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -384,7 +393,7 @@ class EngineConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (or None to size the pool by kv_memory_bytes), "
                              f"got {self.num_blocks}")
-        for name in ("kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "spec_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)} "
                                  f"(KVFLEET_{name.upper()})")

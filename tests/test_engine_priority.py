@@ -44,7 +44,7 @@ def scheduler(step_cost: StepCost, *, slack: float = 0.25, max_num_seqs: int = 6
 def run(s: Scheduler) -> ScheduledBatch:
     """One step: schedule, then as if the model sampled token 9 for each finished prefill."""
     batch = s.schedule()
-    s.postprocess(batch, [9 if n == q.num_uncomputed_tokens else None
+    s.postprocess(batch, [[9] if n == q.num_uncomputed_tokens else []
                           for q, n in zip(batch.seqs, batch.num_new_tokens)])
     return batch
 

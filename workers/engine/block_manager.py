@@ -121,10 +121,34 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         return seq.num_blocks(self.block_size) - len(seq.block_table) <= self.num_free_blocks
 
-    def may_append(self, seq: Sequence) -> None:
-        """A block for the token about to be computed, when the last one is full."""
-        while len(seq.block_table) < seq.num_blocks(self.block_size):
+    def may_append(self, seq: Sequence, num_lookahead: int = 0) -> None:
+        """A block for the token about to be computed, when the last one is full, and
+        for `num_lookahead` positions after it (speculative drafts)."""
+        needed = (seq.num_tokens + num_lookahead + self.block_size - 1) // self.block_size
+        while len(seq.block_table) < needed:
             seq.block_table.append(self._take_free())
+
+    # --- speculation (workers/engine/spec.py) ------------------------------------
+
+    def num_lookahead_slots(self, seq: Sequence) -> int:
+        """Positions after `seq`'s tokens that drafts may take without evicting a cached
+        block: the rest of its last block and the empty blocks. A draft is a guess, most
+        often rolled back a step later; a prefix another request may need is worth more."""
+        spare = len(seq.block_table) * self.block_size - seq.num_tokens
+        return max(spare, 0) + len(self.free_unhashed) * self.block_size
+
+    def rollback(self, seq: Sequence) -> None:
+        """After a step whose rejected drafts took slots past `seq`'s tokens: free the
+        blocks that held only those. Their slots were never published (a block's hash is
+        registered only once its tokens are computed and kept) and are overwritten before
+        they are read (attention stops at the context length), so nothing else is undone."""
+        keep = seq.num_blocks(self.block_size)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            block = self.blocks[bid]
+            assert block.ref_count == 1 and block.hash is None, f"block {bid} of rejected drafts is shared"
+            block.ref_count = 0
+            self.free_unhashed.appendleft(bid)  # back where `_take_free` took it from
 
     def cache_computed_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
         """After a step computed `num_new_tokens` of `seq`: publish the blocks it filled."""

@@ -103,13 +103,16 @@ class Engine:
         step thread with each new token, in order, before the result resolves: it must
         be O(1) and never block (put it on a queue), or it stalls every request.
         `cache_salt` (32 hex chars) roots its block hashes in a cache namespace: it
-        shares cached blocks only with requests of the same salt."""
+        shares cached blocks only with requests of the same salt. `sampling.speculative`
+        (None: `EngineConfig.speculate`) turns speculative decoding on or off for it."""
         prompt = list(prompt_tokens)
         self._validate(prompt, max_new_tokens)
         stops = tuple(dict.fromkeys([*sampling.stop, *stop]))
+        speculate = self.config.speculate if sampling.speculative is None else sampling.speculative
         future = self._inbox.put(request_id, lambda arrival_order: Sequence(
             request_id, prompt, max_new_tokens, sampling, priority_rank=priority_rank, stop=stops,
-            ignore_eos=ignore_eos, arrival_order=arrival_order, on_token=on_token, cache_salt=cache_salt))
+            ignore_eos=ignore_eos, arrival_order=arrival_order, on_token=on_token, cache_salt=cache_salt,
+            num_speculative_tokens=self.config.spec_tokens if speculate else 0))
         return RequestHandle(self, request_id, future)
 
     def generate(self, request_id: str, prompt_tokens: Seq[int], max_new_tokens: int,

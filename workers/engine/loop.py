@@ -3,8 +3,8 @@ the model, and steps them while there is work.
 
     until the inbox says stop (sleeping in it while idle):
         admit new requests, fail cancelled ones, run calls     _admit
-        schedule → run the model → postprocess                 _step
-        on_token callbacks, stop strings, token times          _after_step
+        schedule → run the model → postprocess (stop strings)  _step
+        on_token callbacks, token times                        _after_step
         resolve what finished; publish the stats snapshot
 
 A step that raises (the model, a block hook) fails the requests in flight and the loop
@@ -103,26 +103,31 @@ class StepLoop:
             elapsed = time.perf_counter() - started
             self.scheduler.step_cost.observe(batch.num_tokens, elapsed)
             metrics.STEP_SECONDS.observe(elapsed)
-            finished = self.scheduler.postprocess(batch, sampled)
+            drafted, accepted = self.scheduler.spec_draft_tokens, self.scheduler.spec_accepted_tokens
+            finished = self.scheduler.postprocess(batch, sampled, self._hits_stop_string)
+            metrics.SPEC_DRAFT_TOKENS.inc(self.scheduler.spec_draft_tokens - drafted)
+            metrics.SPEC_ACCEPTED_TOKENS.inc(self.scheduler.spec_accepted_tokens - accepted)
             self._after_step(batch, sampled, finished)
         self._publish_stats()
 
-    def _after_step(self, batch: ScheduledBatch, sampled: list[int | None], finished: list[Sequence]) -> None:
+    def _hits_stop_string(self, seq: Sequence) -> bool:
+        """Called by postprocess after each token it appends to a sequence."""
+        watch = self._watches.get(seq.request_id)
+        return watch is not None and watch.update(seq.token_ids)
+
+    def _after_step(self, batch: ScheduledBatch, sampled: list[list[int]], finished: list[Sequence]) -> None:
         now = time.time()
         new_tokens = 0
-        for seq, token in zip(batch.seqs, sampled):
-            if token is None:
+        for seq, tokens in zip(batch.seqs, sampled):
+            if not tokens:
                 continue
-            new_tokens += 1
+            new_tokens += len(tokens)  # more than one when drafts were accepted
             if seq.on_token is not None:
-                self._tell(seq, token)
+                for token in tokens:
+                    self._tell(seq, token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 metrics.TIME_TO_FIRST_TOKEN.observe(now - seq.submitted_at)
-            watch = self._watches.get(seq.request_id)
-            if watch is not None and not seq.is_finished and watch.update(seq.token_ids):
-                self.scheduler.finish(seq, "stop")
-                finished.append(seq)
         for seq in finished:
             seq.finished_at = now
             if seq.num_completion_tokens > 1:
@@ -199,4 +204,5 @@ class StepLoop:
             preemptions=sch.num_preemptions, steps=self._steps,
             last_batch_size=self._last_batch, max_batch_size=self._max_batch,
             step_faults=self._step_faults, consecutive_step_faults=self._consecutive_faults,
+            spec_draft_tokens=sch.spec_draft_tokens, spec_accepted_tokens=sch.spec_accepted_tokens,
         )

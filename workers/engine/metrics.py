@@ -44,3 +44,11 @@ PRIORITY_PREEMPTIONS = Counter(
     "Lower-class sequences preempted so that a waiting higher-class one could run",
 )
 STEP_FAULTS = Counter("kvfleet_engine_step_faults", "Engine steps that raised (the model or a hook); their requests were failed")
+SPEC_DRAFT_TOKENS = Counter(
+    "kvfleet_engine_spec_draft_tokens",
+    "Speculative draft tokens the model verified (prompt lookup, workers/engine/spec.py)",
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "kvfleet_engine_spec_accepted_tokens",
+    "Speculative draft tokens the model kept: over spec_draft_tokens, the acceptance rate",
+)

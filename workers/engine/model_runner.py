@@ -1,5 +1,6 @@
 """The device side of a step: owns the KV pool, turns a ScheduledBatch into tensors,
-runs the model and samples one token per sequence that reached the end of its tokens."""
+runs the model and samples one token per sequence that reached the end of its tokens
+(with drafts: verifies them, workers/engine/spec.py, and samples after those it keeps)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from kernels.contract import PagedBatch
 from kernels.ops import Kernels
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
+from workers.engine.spec import verify
 from workers.model.attention import AttentionMetadata
 from workers.model.llama import KVCache
 from workers.model.loader import LoadedModel
-from workers.model.sampling import sample
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -36,34 +37,36 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
 
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """The sampled token of each sequence, or None for a prefill chunk that stops
-        short of the sequence's last token (its logits predict nothing we need)."""
+    def run(self, batch: ScheduledBatch) -> list[list[int]]:
+        """The tokens of each sequence: [] for a prefill chunk that stops short of the
+        sequence's last token (its logits predict nothing we need), else the drafts the
+        model kept and one token of its own (one token when it had no drafts)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         context_lens: list[int] = []
-        last_rows: list[int] = []  # flat row of each sampling sequence's last token
-        samplers: list[Sequence] = []
+        rows: list[int] = []  # flat rows whose logits are needed: each sampler's last 1 + len(drafts)
+        samplers: list[tuple[Sequence, list[int]]] = []
         # Decodes (one new token) first, prefills after: attention takes them in two calls.
-        order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda item: item[1] != 1)
-        for seq, n in order:
+        # A sequence with drafts is a short chunk over its cache, like a prefill's.
+        order = sorted(zip(batch.seqs, batch.num_new_tokens, batch.drafts), key=lambda item: item[1] != 1)
+        for seq, n, drafts in order:
             lo, hi = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[lo:hi]
+            input_ids += seq.token_ids[lo:hi - len(drafts)] + drafts
             positions += range(lo, hi)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(lo, hi)]
             starts.append(starts[-1] + n)
             context_lens.append(hi)
-            if hi == seq.num_tokens:
-                last_rows.append(starts[-1] - 1)
-                samplers.append(seq)
+            if hi == seq.num_tokens + len(drafts):
+                rows += range(starts[-1] - 1 - len(drafts), starts[-1])
+                samplers.append((seq, drafts))
 
         width = max(len(seq.block_table) for seq in batch.seqs)
         # Padding entries are never read (attention stops at context_len); 0 keeps any
         # over-read by a kernel inside the pool.
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in order]
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in order]
         meta = AttentionMetadata(
             batch=PagedBatch(
                 cu_seqlens_q=self._tensor(starts, torch.int32),  # (B+1,)
@@ -72,18 +75,30 @@ class ModelRunner:
             ),
             slot_mapping=self._tensor(slots, torch.int64),  # (T,)
             query_starts=tuple(starts),
-            num_decode_seqs=sum(1 for _, n in order if n == 1),
+            num_decode_seqs=sum(1 for _, n, _ in order if n == 1),
             kernels=self.kernels,
         )
         with torch.inference_mode():
             hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
                                 meta, self.kv_cache)  # (T, H)
-            tokens: list[int] = []
+            out: dict[int, list[int]] = {}
             if samplers:
-                logits = self.model.compute_logits(hidden[last_rows])  # (S, V)
-                tokens = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
-        sampled = {id(s): t for s, t in zip(samplers, tokens)}
-        return [sampled.get(id(seq)) for seq in batch.seqs]
+                logits = self.model.compute_logits(hidden[rows])  # (R, V)
+                out = self._sample(logits, samplers)
+        return [out.get(id(seq), []) for seq in batch.seqs]
+
+    def _sample(self, logits: torch.Tensor, samplers: list[tuple[Sequence, list[int]]]) -> dict[int, list[int]]:
+        """`logits`: (R, V), 1 + len(drafts) consecutive rows per sampler. Keyed by id(seq)."""
+        greedy = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
+        host = logits.float().cpu() if any(seq.sampling.temperature > 0 for seq, _ in samplers) else None  # (R, V)
+        out: dict[int, list[int]] = {}
+        row = 0
+        for seq, drafts in samplers:
+            m = len(drafts) + 1
+            mine = None if host is None or seq.sampling.temperature == 0 else host[row:row + m]  # (m, V)
+            out[id(seq)] = verify(drafts, greedy[row:row + m], mine, seq.sampling, seq.generator)
+            row += m
+        return out
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

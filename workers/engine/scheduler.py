@@ -18,6 +18,11 @@ is scheduled first, running then waiting; lower classes then fill the step only 
 many tokens as keep it within `priority_step_slack` of the best class's work alone
 (StepCost, learnt from the engine's own step times), and never fewer than one, so they
 are slowed, not starved. With one class in the engine there is no guard.
+
+Speculation (workers/engine/spec.py): a running sequence with a drafter that reaches the
+end of its tokens in this step also computes the drafts it proposes, within the same
+budget and only in slots that evict nothing; `postprocess` keeps what the model agreed
+with and rolls the rest back.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, SequenceStatus
@@ -34,7 +40,10 @@ from workers.engine.step_cost import StepCost
 @dataclass(frozen=True)
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens each sequence computes in this step
+    num_new_tokens: list[int]  # tokens each sequence computes in this step, its drafts included
+    #: Each sequence's draft tokens (mostly none), computed after its own last token: the
+    #: last len(drafts) of its num_new_tokens.
+    drafts: list[list[int]]
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +76,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_cached = 0  # tokens found in cache at admission (pool or outside tier)
         self.prompt_tokens_computed = 0  # tokens that admission left to prefill
+        self.spec_draft_tokens = 0  # draft tokens verified by the model
+        self.spec_accepted_tokens = 0  # ... and kept
 
     @property
     def is_idle(self) -> bool:
@@ -87,7 +98,7 @@ class Scheduler:
         self._admit_waiting(step, max_rank=None)
         if step.held_back:
             self.guarded_steps += 1
-        return ScheduledBatch(step.seqs, step.counts)
+        return ScheduledBatch(step.seqs, step.counts, step.drafts)
 
     def _top_rank(self) -> int:
         """The best class with work: it sets the pace of the step."""
@@ -104,14 +115,23 @@ class Scheduler:
                 return
             if seq.status != SequenceStatus.RUNNING or not which(seq):
                 continue  # preempted earlier in this step, or the other pass's
-            n = step.grant(seq.num_uncomputed_tokens)
+            wanted = seq.num_uncomputed_tokens
+            drafts = self._propose(seq, step.budget - wanted)
+            n = step.grant(wanted + len(drafts))
             if n == 0:
                 continue  # the guard holds this lower-class sequence back for a step
             if not self._make_room(seq):
                 step.refund(n)
                 step.preempted = True
                 continue
-            step.add(seq, n)
+            # Drafts only after the sequence's last token, and only in what the budget
+            # and the free blocks give them (they never preempt or evict).
+            drafts = drafts[:max(n - wanted, 0)][:self.block_manager.num_lookahead_slots(seq)]
+            if drafts:
+                self.block_manager.may_append(seq, len(drafts))
+            used = min(n, wanted) + len(drafts)
+            step.refund(n - used)
+            step.add(seq, used, drafts)
 
     def _admit_waiting(self, step: "_Step", max_rank: int | None) -> None:
         # No admissions after a preemption: blocks are short, and a new prompt would
@@ -143,28 +163,67 @@ class Scheduler:
             self._preempt(back)
             self.num_priority_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Record a finished step; returns the sequences it finished (EOS, a stop token or length)."""
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """Drafts for `seq` if it has a drafter and reaches its end with `room` tokens of
+        the step's budget to spare."""
+        if seq.drafter is None or room <= 0:
+            return []
+        # The model adds a token of its own after the drafts: never more than the request may take.
+        return seq.drafter.propose(seq.token_ids, min(room, seq.max_new_tokens - seq.num_completion_tokens - 1))
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[list[int]],
+                    stop_string: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """Record a finished step; returns the sequences it finished.
+
+        `sampled[i]`: the tokens the model gave sequence i: none for a prefill chunk short
+        of the prompt's end, else the drafts it kept and one of its own. They are appended
+        one by one, and the first that ends the sequence (EOS, a stop token, the length,
+        or `stop_string(seq)`: its text now holds a stop string) drops those after it, as
+        decoding one token a step would have; `sampled[i]` is cut to the tokens kept.
+        """
         finished = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq, n)
-            if token is None:
-                continue  # a prefill chunk short of the prompt's end: nothing to sample yet
-            seq.append_token(token)
-            if token in self.eos_token_ids and not seq.ignore_eos:
-                self.finish(seq, "eos")
+        for seq, n, drafts, tokens in zip(batch.seqs, batch.num_new_tokens, batch.drafts, sampled, strict=True):
+            rejected = 0
+            if drafts:
+                accepted = len(tokens) - 1
+                rejected = len(drafts) - accepted
+                self.spec_draft_tokens += len(drafts)
+                self.spec_accepted_tokens += accepted
+                seq.drafter.observe(accepted)
+            reason = None
+            for kept, token in enumerate(tokens, start=1):
+                seq.append_token(token)
+                reason = self._finish_reason(seq, token, stop_string)
+                if reason is not None:
+                    del tokens[kept:]
+                    break
+            # K/V are valid for every token the step computed up to the first rejected
+            # draft; of those, only the ones still in the sequence count.
+            computed = min(seq.num_computed_tokens + n - rejected, seq.num_tokens)
+            new = computed - seq.num_computed_tokens
+            seq.num_computed_tokens = computed
+            self.block_manager.cache_computed_blocks(seq, new)
+            if reason is not None:
+                self.finish(seq, reason)
                 finished.append(seq)
-            elif token in seq.stop_token_ids:
-                # The request's own end tokens (a chat template's end of turn): an EOS
-                # by another name, so "stop", and kept out of the text like EOS.
-                self.finish(seq, "stop")
-                seq.stopped_by_token = True
-                finished.append(seq)
-            elif seq.num_completion_tokens >= seq.max_new_tokens:
-                self.finish(seq, "length")
-                finished.append(seq)
+            elif drafts:
+                self.block_manager.rollback(seq)
         return finished
+
+    def _finish_reason(self, seq: Sequence, token: int, stop_string: Callable[[Sequence], bool] | None) -> str | None:
+        """Why `token`, just appended, ends `seq` (None: it does not)."""
+        if token in self.eos_token_ids and not seq.ignore_eos:
+            return "eos"
+        if token in seq.stop_token_ids:
+            # The request's own end tokens (a chat template's end of turn): an EOS by
+            # another name, so "stop", and kept out of the text like EOS.
+            seq.stopped_by_token = True
+            return "stop"
+        if seq.num_completion_tokens >= seq.max_new_tokens:
+            return "length"
+        if stop_string is not None and stop_string(seq):
+            return "stop"
+        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` wherever it is (running or waiting) and release its blocks."""
@@ -214,6 +273,7 @@ class _Step:
     def __init__(self, budget: int) -> None:
         self.seqs: list[Sequence] = []
         self.counts: list[int] = []
+        self.drafts: list[list[int]] = []
         self.budget = budget
         self.num_tokens = 0
         self.lower_allowance: int | None = None
@@ -237,8 +297,9 @@ class _Step:
         if self.lower_allowance is not None:
             self.lower_allowance += n
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
         self.seqs.append(seq)
         self.counts.append(n)
+        self.drafts.append(drafts or [])
         self.budget -= n
         self.num_tokens += n

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from kvfleet.contracts import Sampling
+from workers.engine.spec import PromptLookup
 from workers.model.sampling import make_generator
 
 
@@ -32,6 +33,7 @@ class Sequence:
         arrival_order: int,
         on_token: Optional[Callable[[int], None]] = None,
         cache_salt: Optional[str] = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_tokens)  # prompt, then every generated token
@@ -63,6 +65,9 @@ class Sequence:
         #: Prompt tokens served from the prefix cache when first admitted.
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        #: Proposes up to `num_speculative_tokens` drafts per decode step (workers/engine/spec.py);
+        #: None: this sequence decodes one token a step.
+        self.drafter = PromptLookup(num_speculative_tokens) if num_speculative_tokens > 0 else None
 
         self.submitted_at = time.time()  # unix seconds, for the Completion
         self.started_at: float | None = None  # first scheduled

@@ -30,3 +30,5 @@ class EngineStats:
     #: Steps that raised in a row, up to now (0 after a good step): a worker whose
     #: engine keeps faulting is unhealthy (workers/health.py).
     consecutive_step_faults: int = 0
+    spec_draft_tokens: int = 0  # speculative drafts the model verified (workers/engine/spec.py)
+    spec_accepted_tokens: int = 0  # ... and kept

@@ -2,7 +2,8 @@
 
 Each sampled sequence draws from its own `torch.Generator`, seeded from the request's
 seed, and each token costs it exactly one draw. So a seeded request yields the same
-tokens alone or in any batch, on any device (the draw happens on the CPU).
+tokens alone or in any batch, on any device (the draw happens on the CPU), and with or
+without speculative decoding (workers/engine/spec.py draws each token the same way).
 """
 
 from __future__ import annotations
@@ -22,24 +23,9 @@ def make_generator(sampling: Sampling) -> torch.Generator | None:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def sample(
-    logits: torch.Tensor,  # (B, V) one row per sequence
-    params: list[Sampling],
-    generators: list[torch.Generator | None],
-) -> list[int]:
-    """One token per row."""
-    greedy = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
-    if all(p.temperature == 0 for p in params):
-        return greedy
-    rows = logits.float().cpu()  # (B, V)
-    return [
-        greedy[i] if p.temperature == 0 else sample_row(rows[i], p, generators[i])
-        for i, p in enumerate(params)
-    ]
-
-
-def sample_row(logits: torch.Tensor, params: Sampling, generator: torch.Generator) -> int:  # (V,) float32 CPU
-    """temperature -> top-k -> top-p -> one multinomial draw (the order HF applies them)."""
+def probabilities(logits: torch.Tensor, params: Sampling) -> torch.Tensor:  # (V,) float32 CPU -> (V,)
+    """The distribution a token is drawn from: temperature -> top-k -> top-p (the order HF
+    applies them), then softmax."""
     scores = logits / params.temperature
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
@@ -51,5 +37,9 @@ def sample_row(logits: torch.Tensor, params: Sampling, generator: torch.Generato
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
         drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)  # back to vocab order
         scores = scores.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return torch.softmax(scores, dim=-1)
+
+
+def sample_row(logits: torch.Tensor, params: Sampling, generator: torch.Generator) -> int:  # (V,) float32 CPU
+    """One multinomial draw from `probabilities(logits, params)`."""
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator).item())
