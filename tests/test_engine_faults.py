@@ -112,6 +112,10 @@ def test_a_worker_whose_engine_always_faults_exits_and_its_jobs_finish_elsewhere
     fleet = make_fleet(workers=1)
     sick = fleet.start("worker", name="sick-worker", env={"KVFLEET_FAILPOINTS": "engine.step=raise"})
     fleet.wait_for(lambda: fleet.live_workers() == 2, "both workers heartbeating", timeout=120)
+    # Its heartbeat starts before its Celery consumer: wait until that consumes too, or
+    # every job may go to the healthy worker and the test would prove nothing.
+    log = fleet.log_dir / f"{sick}.log"
+    fleet.wait_for(lambda: b" ready." in log.read_bytes(), "the sick worker's Celery consumer ready", timeout=120)
     jobs = [fleet.submit("normal", prompt_len=6, max_new_tokens=4) for _ in range(16)]
     fleet.wait_for(lambda: all(fleet.state(j) == "done" for j in jobs), "every job done", timeout=240)
     fleet.killed.add(sick)  # it exits by itself; the fleet must not count that as a crash
