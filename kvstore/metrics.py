@@ -69,3 +69,12 @@ KV_REFRESHES = Counter(
     "kvfleet_kv_cold_refreshes_total",
     "Cold-tier prefixes whose logical expiry one reader extended (past expiry, or early by XFetch).",
 )
+
+# Every known label value exported from the start, at 0: a dashboard's rate() then has a
+# series before the first event, and a test of what the services expose finds it.
+for _result in ("hit", "miss"):
+    KV_LOOKUP_BLOCKS.labels(_result)
+for _decision in ("load", "recompute"):
+    KV_DECISIONS.labels(_decision)
+for _reason in ("queue_full", "error"):
+    KV_SPILL_DROPPED.labels(_reason)
