@@ -170,23 +170,8 @@ def own_kafka(home: Path) -> Daemon:
                    check=True, stdout=subprocess.DEVNULL)
     bootstrap = f"{HOST}:{port}"
 
-    def answers() -> bool:
-        if not procs.port_open(HOST, port):
-            return False
-        from kafka import KafkaAdminClient
-        from kafka.errors import KafkaError
-        try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000, client_id="chaos-probe")
-        except (KafkaError, OSError, ValueError):
-            return False
-        try:
-            admin.list_topics()
-            return True
-        except (KafkaError, OSError):
-            return False
-        finally:
-            admin.close()
-    return Daemon("kafka", [*java, "kafka.Kafka", str(props)], port, data / "broker.log", answers)
+    return Daemon("kafka", [*java, "kafka.Kafka", str(props)], port, data / "broker.log",
+                  lambda: infra_kafka.answers(bootstrap))
 
 
 # --- clients ------------------------------------------------------------------------

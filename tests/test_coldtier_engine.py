@@ -224,7 +224,7 @@ def test_a_prefix_that_is_sooner_recomputed_than_loaded_is_recomputed(cache_redi
         result = PrefixSharingEngine(engine, sharing).generate("fast-gpu", PROMPT, 4, Sampling())
         assert result.cached_tokens == 0 and engine.stats().outside_cache_hits == 0
         slow = PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1.0)
-        assert slow.prepare("slow-cpu", OTHERS[0] and PROMPT).decision is None  # hot now: nothing to decide
+        assert slow.prepare("slow-cpu", PROMPT).decision is None  # hot now: nothing to decide
     finally:
         engine.shutdown()
         tier.close()

@@ -54,7 +54,9 @@ def _docker_ready() -> str | None:
 def compose():
     reason = _docker_ready()
     if reason:
-        pytest.skip(reason)
+        # Asked for explicitly (`-m docker`): a machine that cannot run it is a broken
+        # set-up, not a pass. KVFLEET_CI_DOCKER=0 leaves the test out of CI instead.
+        pytest.fail(f"{reason}; ./scripts/docker-setup.sh installs and starts Docker")
     ports = {name: _free_port() for name in ("API", "KAFKA", "KAFKA_CONTROLLER", "REDIS", "CACHE", "SCHEDULER_METRICS")}
     env = {**os.environ, "COMPOSE_FILE": "docker-compose.yml:docker-compose.local.yml",
            "COMPOSE_PROJECT_NAME": f"kvfleettest{uuid.uuid4().hex[:6]}",

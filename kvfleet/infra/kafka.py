@@ -147,16 +147,18 @@ def start(timeout: float = 90.0) -> str:
             stdin=subprocess.DEVNULL, start_new_session=True,  # outlives the starting shell
         )
     pidfile().write_text(str(proc.pid))
-    procs.wait_until(lambda: _answers(bootstrap) or proc.poll() is not None, timeout, f"Kafka at {bootstrap}", log=logfile())
+    procs.wait_until(lambda: answers(bootstrap) or proc.poll() is not None, timeout, f"Kafka at {bootstrap}", log=logfile())
     if proc.poll() is not None:
         raise RuntimeError(f"Kafka exited with {proc.returncode}; see {logfile()}")
     print(f"kafka {version()} up at {bootstrap} (pid {proc.pid}, log {logfile()})", flush=True)
     return bootstrap
 
 
-def _answers(bootstrap: str) -> bool:
-    """True once the broker serves metadata (the port opens a little earlier)."""
-    if not procs.port_open(HOST, PORT):
+def answers(bootstrap: str) -> bool:
+    """True once the broker at `bootstrap` (host:port) serves metadata (the port opens a
+    little earlier). bench/chaos.py probes its own broker with it too."""
+    host, _, port = bootstrap.rpartition(":")
+    if not procs.port_open(host, int(port)):
         return False
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
