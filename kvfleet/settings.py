@@ -177,6 +177,11 @@ class ModelSettings:
 class ApiSettings:
     host: str = knob("127.0.0.1", "API_HOST")
     port: int = knob(8000, "API_PORT", int, lo=1)
+    #: API processes serving the one port (uvicorn's workers; each has its own Kafka
+    #: producer, Redis pools and batch driver). 0: one per CPU this process may run on.
+    #: 1 by default: a container's CPU count is often its host's, not its limit, so the
+    #: number is the deployment's to choose (docs/benchmarks.md, "Front door").
+    workers: int = knob(1, "API_WORKERS", int, lo=0)
     #: Public base URL used in the `url` of a 202 answer; empty: http://host:port.
     public_url: str = knob("", "PUBLIC_URL")
     #: "key:tenant,key:tenant" (or `api_keys` in KVFLEET_TENANTS). Empty: no keys, the

@@ -2,7 +2,7 @@
 
     offset  size  field
     0       4     magic b"KVB1"
-    4       1     version (1)
+    4       1     version (2: crc32c; 1 was zlib's crc32)
     5       1     dtype of the pool: 1 float32, 2 float16, 3 bfloat16
     6       1     quantization: 0 none, 1 int8 with one float32 scale per row of D
     7       1     reserved, zero
@@ -10,7 +10,7 @@
     16      16    blake2b-128 of the model fingerprint
     32      16    blake2b-128 of the block hash (catches a blob written under a wrong key)
     48      8     payload length in bytes (uint64)
-    56      4     crc32 of bytes 0..55 and of the payload
+    56      4     crc32c (Castagnoli) of bytes 0..55 and of the payload
     60      4     reserved, zero
     64      8     expires_at: logical expiry, float64 time.time() seconds
     72      8     reserved, zero (pads the payload to a 16-byte boundary)
@@ -33,7 +33,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import warnings
-import zlib
+
+import crc32c
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence, Union
@@ -48,7 +49,10 @@ from kvstore.errors import BlobError
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 MAGIC = b"KVB1"
-VERSION = 1
+#: 2: the checksum is crc32c, in hardware (SSE4.2 / ARMv8 CRC), about 5x zlib's crc32 on
+#: a 2 MiB block here, which had been a third of a load's time. The version is part of
+#: the cold tier's key namespace too, so workers of both versions never meet.
+VERSION = 2
 HEADER = struct.Struct("<4sBBBx4H16s16sQI4xd8x")
 _CHECKED = 56  # bytes 0..55 are covered by the checksum
 EXPIRES_AT_OFFSET = 64
@@ -71,6 +75,11 @@ _QUANTS = {code: quant for quant, code in _QUANT_CODES.items()}
 
 def digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _checksum(view: memoryview) -> int:
+    """crc32c of the header up to the checksum field, then of the payload."""
+    return crc32c.crc32c(view[HEADER.size:], value=crc32c.crc32c(view[:_CHECKED]))
 
 
 @dataclass(frozen=True)
@@ -188,7 +197,7 @@ class BlobCodec:
             self._model_digest, digest(block_id), payload_len, 0, expires_at,
         )
         view = memoryview(buf)
-        crc = zlib.crc32(view[HEADER.size:], zlib.crc32(view[:_CHECKED]))
+        crc = _checksum(view)
         struct.pack_into("<I", buf, _CHECKED, crc)
         return buf
 
@@ -218,6 +227,6 @@ class BlobCodec:
         if payload_len != lay.payload_nbytes(quant) or len(raw) != HEADER.size + payload_len:
             raise BlobError("truncated", f"{len(raw) - HEADER.size} payload bytes, expected {lay.payload_nbytes(quant)}")
         view = memoryview(raw)
-        if zlib.crc32(view[HEADER.size:], zlib.crc32(view[:_CHECKED])) != crc:
-            raise BlobError("checksum", "crc32 mismatch")
+        if _checksum(view) != crc:
+            raise BlobError("checksum", "crc32c mismatch")
         return KVBlob(lay, quant, raw, expires_at, self.kernels)

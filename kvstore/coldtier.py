@@ -47,6 +47,7 @@ from kernels.ops import Kernels
 from kvfleet.constants import Keys
 from kvstore import metrics
 from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, BlobCodec, KVBlob, KVLayout, Quant
+from kvstore.blob import VERSION as BLOB_VERSION
 from kvstore.buffers import BufferPool
 from kvstore.errors import BlobError
 from kvstore.expiry import DEFAULT_JITTER, jittered, physical_ttl_ms, xfetch_due
@@ -136,7 +137,7 @@ class ColdTier:
         self.layout = KVLayout.of(kv_caches)
         #: Keys and prefix locks live under this: a bf16 worker and an fp32 worker of the
         #: same model must not share (and reject, and delete) each other's blobs.
-        self.namespace = f"{model_fingerprint}:{self.layout.tag}"
+        self.namespace = f"{model_fingerprint}:{self.layout.tag}-v{BLOB_VERSION}"
         self.codec = BlobCodec(self.layout, model_fingerprint, quant=quant, kernels=kernels)
         self.ttl_s = ttl_s
         self.grace_s = grace_s

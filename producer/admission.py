@@ -6,7 +6,9 @@
     413  the job is larger than the tenant's whole quota bucket: it can never pass
     429  the tenant is over its quota (Retry-After: the time to refill the deficit)
 
-The quota is charged last, so a refused job costs its tenant nothing. Overload is the
+The quota is charged last, so a refused job costs its tenant nothing. Only that charge
+goes to Redis (one Lua call, awaited on the event loop: `producer/records.py`); the load
+checks read `producer/pressure.py`'s background reading from memory. Overload is the
 budget nearly spent (ledger ≥ `overload_utilization` of capacity) *and* a backlog
 (≥ `overload_backlog` jobs waiting on Kafka): new bronze work would only wait to be
 shed, so it is turned away at once.
@@ -24,16 +26,21 @@ from kvfleet.settings import ApiSettings, PolicyConfig
 from kvfleet.tenancy import Tenant, Tier
 from producer.errors import MAX_RETRY_S, Refused
 from producer.pressure import Pressure
+from producer.records import Records
+
 
 class Gate:
-    def __init__(self, api: ApiSettings, policy: PolicyConfig, pressure: Pressure, quotas: Optional[Quotas]) -> None:
-        """`quotas` None: no tenants configured (development), so no quotas."""
+    def __init__(self, api: ApiSettings, policy: PolicyConfig, pressure: Pressure, quotas: Optional[Quotas],
+                 records: Records) -> None:
+        """`quotas` None: no tenants configured (development), so no quotas; otherwise
+        its buckets are charged through `records` (the same script, on the event loop)."""
         self.api = api
         self.policy = policy
         self.pressure = pressure
         self.quotas = quotas
+        self.records = records
 
-    def check(self, tenant: Tenant, job: JobRequest, *, output_field: str = "max_new_tokens") -> None:
+    async def check(self, tenant: Tenant, job: JobRequest, *, output_field: str = "max_new_tokens") -> None:
         """Raise `Refused` if the (tokenized) job must not be queued; otherwise charge its quota.
         `output_field`: what the client called max_new_tokens, for the messages."""
         assert job.prompt_tokens is not None, "the API tokenizes every job"
@@ -43,7 +50,7 @@ class Gate:
             raise Refused(too_many, status=422, param=output_field, code="over_ceiling")
         self._check_load(tenant, job.priority)
         if self.quotas is not None:
-            take = self.quotas.try_take(tenant, job.cost)
+            take = await self.records.take(tenant, job.cost)
             if math.isinf(take.retry_after_s):
                 raise Refused(self._too_big(tenant, job, output_field), status=413, param=output_field,
                               code="over_quota_bucket")

@@ -1,11 +1,18 @@
 """`kvfleet-api`: the HTTP front door. `create_app` only wires: it builds the shared
 components once (`producer.context.ApiContext`), mounts the routes
 (`producer/routes/`), and turns every `producer.errors.ApiError` into its answer.
+
+`main` serves `KVFLEET_API_WORKERS` processes on the one port (uvicorn's workers, each
+with its own app from `app_from_env`: its Kafka producer, Redis pools, load reading and
+batch driver, whose leases let any number of them run); with more than one, /metrics
+adds up all of them (producer/metrics.py).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 from contextlib import asynccontextmanager
 from typing import Optional
 
@@ -15,7 +22,6 @@ import redis.asyncio as aredis
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import Counter
 
 from kvfleet import logs
 from kvfleet.capacity import FleetCapacity
@@ -29,31 +35,31 @@ from kvfleet.tenancy import Tenancy
 from producer.admission import Gate
 from producer.context import ApiContext
 from producer.errors import ApiError
-from producer import http_errors, openapi
+from producer import http_errors, metrics as shared_metrics, openapi
 from producer import ratelimit
 from producer.pressure import Pressure
 from producer.publisher import Publisher
+from producer.records import Records
 from producer.batches import components as batching
 from producer.routes import batches, completions, files, health, jobs, models, streams
 
 log = logging.getLogger("kvfleet.api")
-
-REFUSED = Counter("kvfleet_api_jobs_refused", "Requests refused, by HTTP status", ["status"])
 
 
 def build_context(settings: Settings, *, model: Optional[ModelInfo] = None,
                   tenancy: Optional[Tenancy] = None) -> ApiContext:
     keys = settings.redis.keys
     sync_redis = redis.Redis.from_url(settings.redis.url)
-    store = JobStore(sync_redis, keys)
+    async_redis = aredis.Redis.from_url(settings.redis.url)
+    records = Records(async_redis, keys)
     tenancy = tenancy or Tenancy.from_settings(settings)
     capacity = FleetCapacity(sync_redis, keys, ceiling_tokens=settings.scheduler.capacity_ceiling_tokens or None)
     pressure = Pressure(settings.kafka, Ledger(sync_redis, keys), capacity)
     quotas = Quotas(sync_redis, keys) if tenancy.configured else None
     return ApiContext(
-        settings=settings, sync_redis=sync_redis, async_redis=aredis.Redis.from_url(settings.redis.url),
-        store=store, publisher=Publisher(settings.kafka), model=model or load_model_info(settings.model.source),
-        tenancy=tenancy, pressure=pressure, gate=Gate(settings.api, settings.policy, pressure, quotas))
+        settings=settings, sync_redis=sync_redis, async_redis=async_redis, store=JobStore(sync_redis, keys),
+        records=records, publisher=Publisher(settings.kafka), model=model or load_model_info(settings.model.source),
+        tenancy=tenancy, pressure=pressure, gate=Gate(settings.api, settings.policy, pressure, quotas, records))
 
 
 def create_app(settings: Settings, *, limits: Optional[ModelInfo] = None, tenancy: Optional[Tenancy] = None,
@@ -64,6 +70,8 @@ def create_app(settings: Settings, *, limits: Optional[ModelInfo] = None, tenanc
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await anyio.to_thread.run_sync(ensure_topics, settings.kafka)
+        # The producer and the topics' metadata now, so that no submission waits for them.
+        await anyio.to_thread.run_sync(ctx.publisher.ready)
         ctx.pressure.start()
         batch_parts.driver.start()
         log.info("api ready", extra={"model": ctx.model.name, "max_context": ctx.model.max_context})
@@ -99,15 +107,53 @@ OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 async def _refuse(request: Request, exc: ApiError) -> JSONResponse:
     if exc.status == 422 and request.url.path in OPENAI_PATHS:
         exc.status = 400
-    REFUSED.labels(str(exc.status)).inc()
+    shared_metrics.REFUSED.labels(str(exc.status)).inc()
     headers = {**exc.headers, **await ratelimit.headers(request.app.state.ctx, getattr(request.state, "tenant", None))}
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+#: What uvicorn imports in each API process: several processes need a name to import,
+#: not an app object.
+APP_FACTORY = "producer.api:app_from_env"
+
+
+#: The collector's young-generation threshold in an API process: ten times Python's 700.
+#: A request's objects die young, and collecting every 700 allocations cost about a
+#: tenth of the submit path's CPU at 64 requests in flight (docs/benchmarks.md).
+GC_YOUNG_THRESHOLD = 7_000
+
+
+def app_from_env() -> FastAPI:
+    """One API process's app, configured from the environment (uvicorn calls it in each)."""
+    settings = Settings.from_env()
+    logs.setup("api", settings.log_level)
+    app = create_app(settings)
+    # What startup built lives as long as the process: out of the collector's way, so
+    # that a collection scans only the requests' objects, not the app's ~90,000.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    return app
+
+
+def process_count(settings: Settings) -> int:
+    """`KVFLEET_API_WORKERS`, with 0 meaning one per CPU this process may run on."""
+    if settings.api.workers:
+        return settings.api.workers
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere, every CPU
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
 def main() -> None:
     settings = Settings.from_env()
     logs.setup("api", settings.log_level)
-    uvicorn.run(create_app(settings), host=settings.api.host, port=settings.api.port,
+    workers = process_count(settings)
+    if workers > 1:
+        shared_metrics.share()  # before uvicorn starts the processes, which inherit it
+    log.info("api starting", extra={"processes": workers, "port": settings.api.port})
+    # Several processes accept on the one socket uvicorn binds here; the kernel spreads
+    # the connections. Each process builds its own app (Kafka producer, Redis pools).
+    uvicorn.run(APP_FACTORY, factory=True, workers=workers, host=settings.api.host, port=settings.api.port,
                 log_config=None, access_log=False)
 
 

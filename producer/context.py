@@ -21,6 +21,7 @@ from producer.admission import Gate
 from producer.auth import resolve_tenant
 from producer.pressure import Pressure
 from producer.publisher import Publisher
+from producer.records import Records
 
 
 #: How long a read of the workers' heartbeats is reused, seconds.
@@ -33,6 +34,7 @@ class ApiContext:
     sync_redis: redis.Redis  # for the blocking components, run on worker threads
     async_redis: aredis.Redis  # for reads on the event loop
     store: JobStore
+    records: Records  # the submit path's Redis writes, on the event loop
     publisher: Publisher
     model: ModelInfo
     tenancy: Tenancy

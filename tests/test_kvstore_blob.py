@@ -86,7 +86,7 @@ def patch_header(raw: bytes, offset: int, fmt: str, value) -> bytes:
         (lambda raw: raw + b"\0", "truncated"),
         (corrupt, "checksum"),
         (lambda raw: patch_header(raw, 0, "<4s", b"XXXX"), "magic"),
-        (lambda raw: patch_header(raw, 4, "<B", 2), "version"),
+        (lambda raw: patch_header(raw, 4, "<B", 1), "version"),
         (lambda raw: patch_header(raw, 6, "<B", 7), "quantization"),
         (lambda raw: patch_header(raw, 7, "<B", 1), "checksum"),  # the checksum covers the header too
         (lambda raw: sealed(make_codec(LAYOUT, "model-b"))[0], "model"),

@@ -30,7 +30,7 @@ from producer.openai.schemas import (
 )
 from producer.openapi import body, error_response, response
 from producer.submission import submit
-from producer.validation import build_request
+from producer.validation import build_request_off_loop
 
 router = APIRouter()
 
@@ -85,8 +85,8 @@ async def _answer(request: Request, kind: type[Union[CompletionRequest, ChatComp
     make = requests.chat_submit if chat else requests.completion_submit
     submission, names = make(openai_request, ctx.model, job_id,
                              default_max_tokens=lambda prompt: _default_max_tokens(ctx, tenant, priority, prompt))
-    job = build_request(submission, ctx.model, tenant=tenant.name, priority=priority, now=time.time(),
-                        default_timeout_s=ctx.settings.api.default_timeout_s, names=names)
+    job = await build_request_off_loop(submission, ctx.model, tenant=tenant.name, priority=priority, now=time.time(),
+                                       default_timeout_s=ctx.settings.api.default_timeout_s, names=names)
     await submit(ctx, tenant, job, client_id=job_id is not None, output_field=names.max_new_tokens)
     headers = await ratelimit.headers(ctx, tenant)
     deadline = (job.deadline or time.time() + ctx.settings.api.default_timeout_s) + DEADLINE_GRACE_S

@@ -13,10 +13,9 @@ import anyio
 import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from producer import openapi
+from producer import metrics as shared_metrics, openapi
 from producer.answers import Health, Readiness
 from producer.context import context
 
@@ -53,4 +52,4 @@ async def readyz(request: Request) -> Response:
             responses={200: openapi.response(None, "Prometheus metrics", media_type=PrometheusText.media_type,
                                              schema={"type": "string"})})
 async def metrics() -> Response:
-    return PrometheusText(generate_latest())
+    return PrometheusText(shared_metrics.exposition())

@@ -34,7 +34,8 @@ from producer.routes.jobs import _owned
 #: Seconds of silence before a keep-alive comment: below the 30-60 s idle timeouts of
 #: common proxies and load balancers.
 KEEPALIVE_S = 15.0
-OPEN = Gauge("kvfleet_api_streams_open", "Event streams being relayed right now")
+# livesum: with several API processes, /metrics answers the sum over the live ones.
+OPEN = Gauge("kvfleet_api_streams_open", "Event streams being relayed right now", multiprocess_mode="livesum")
 
 _DONE, _FAILED = object(), object()  # what the relay's queue ends with
 

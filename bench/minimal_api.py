@@ -1,0 +1,70 @@
+"""The baseline of bench/fleet.py: the least an HTTP endpoint can do to take a job.
+
+    python bench/minimal_api.py --port P --kafka HOST:PORT --redis URL --topic T --prefix K
+
+One uvicorn process, one FastAPI route, `POST /v1/jobs`: a new id, one kafka-python
+produce with acks=all awaited through the event loop (no thread per request), then one
+Redis hash write (redis.asyncio), then 202. No validation, tokenization, tenants,
+admission or quota: what is left is the essential work of a front door, and the
+API's figures are measured against it. The producer is kvfleet's own
+(`kvfleet.kafka.make_producer`: acks=all, idempotence, the same linger), so the
+comparison is of the endpoints, not of Kafka client settings. It produces to its own
+topic, which no scheduler reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+
+import redis.asyncio as aredis
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from kvfleet.kafka import make_producer
+from kvfleet.settings import KafkaSettings
+
+
+def create_app(kafka: str, redis_url: str, topic: str, prefix: str) -> FastAPI:
+    producer = make_producer(KafkaSettings(bootstrap=kafka), client_id="bench-minimal")
+    client = aredis.Redis.from_url(redis_url)
+    app = FastAPI()
+
+    @app.post("/v1/jobs")
+    async def submit(request: Request) -> JSONResponse:
+        body = await request.body()
+        job_id = str(uuid.uuid4())
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        # kafka-python calls back on its sender thread; the result crosses to the loop.
+        future = producer.send(topic, key=b"bench", value=body)
+        future.add_both(lambda value: loop.call_soon_threadsafe(
+            lambda: done.done() or (done.set_exception(value) if isinstance(value, BaseException)
+                                    else done.set_result(value))))
+        await done
+        await client.hset(f"{prefix}:job:{job_id}", mapping={"state": "queued", "request": body})
+        return JSONResponse({"job_id": job_id, "status": "queued"}, status_code=202)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--kafka", required=True)
+    parser.add_argument("--redis", required=True)
+    parser.add_argument("--topic", required=True)
+    parser.add_argument("--prefix", required=True, help="Redis key prefix")
+    args = parser.parse_args()
+    uvicorn.run(create_app(args.kafka, args.redis, args.topic, args.prefix), host="127.0.0.1", port=args.port,
+                log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()
