@@ -1,6 +1,16 @@
-"""Fleet benchmark: how many jobs the front door takes, against a minimal endpoint.
+"""Fleet benchmark: how many jobs the front door takes, against a minimal endpoint, and
+how fast jobs go through the fleet, against the same jobs on one engine.
 
-    python bench/fleet.py [--quick] [--rounds N] [--api-workers N] [--out bench/results]
+    python bench/fleet.py [--quick] [--part all|front|jobs] [--rounds N] [--api-workers N]
+                          [--workers N] [--out bench/results]
+
+The job path (`--part jobs`) is bench/fleet_jobs.py's docstring: 1-token and 128-token
+jobs (and 8, 32 in a full run) produced to Kafka, fleet jobs/s over one engine's with
+the same cores (`short_jobs_fleet_over_engine`, target >= 0.5;
+`long_jobs_fleet_over_engine` in tokens/s, target >= 0.9), and `overhead_p50_ms`, one
+1-token job's client round trip on the idle fleet minus the engine's time (target <= 10).
+
+The front door (`--part front`):
 
 A real fleet (the API, one scheduler, one worker with the tiny built-in model, on the
 local Kafka and Redis, every setting at its default but the backlog bounds) takes small
@@ -55,6 +65,8 @@ import kvfleet.infra  # noqa: E402
 from kvfleet.kafka import make_admin  # noqa: E402
 from kvfleet.settings import KafkaSettings  # noqa: E402
 from tests.fleet import Fleet, free_port, wait_for  # noqa: E402  (the integration tests' process launcher)
+
+import fleet_jobs  # noqa: E402  (bench/fleet_jobs.py, beside this file)
 
 API_KEY = "sk-bench-fleet"
 TENANTS = {"tenants": [{"name": "bench", "tier": "silver", "tokens_per_minute": 10**12, "api_keys": [API_KEY]}]}
@@ -240,13 +252,34 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds at 64 (default 5; 3 quick)")
     parser.add_argument("--api-workers", type=int, default=1,
                         help="KVFLEET_API_WORKERS of the fleet's API (default 1; 0: one process per CPU)")
+    parser.add_argument("--part", choices=("all", "front", "jobs"), default="all",
+                        help="front: the front door only; jobs: the job path only (the other part's figures "
+                             "in fleet.json are kept)")
+    parser.add_argument("--workers", type=int, default=2, help="workers of the job-path fleet (default 2)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
+    infra = kvfleet.infra.up()
+    path = args.out / "fleet.json"
+    report = json.loads(path.read_text()) if args.part != "all" and path.exists() else {}
+    if args.part in ("all", "front"):
+        report.update(front_door(args, infra))
+    if args.part in ("all", "jobs"):
+        report["jobs"] = job_path(args, infra)
+        report.setdefault("targets", {}).update(JOB_TARGETS)
+        for key in JOB_TARGETS:
+            report[key] = report["jobs"][key]
+    print_table(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out / "fleet.png")
+
+
+def front_door(args: argparse.Namespace, infra: dict[str, str]) -> dict:
+    """The API against the minimal endpoint under wrk (the module's docstring)."""
     rounds = args.rounds or (3 if args.quick else 5)
     seconds = 8 if args.quick else 20
     sweep_s = 3 if args.quick else 8
     binary = ensure_wrk()
-    infra = kvfleet.infra.up()
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-fleet-"))
     prefix = f"bf{uuid.uuid4().hex[:8]}"
     # Every other setting is the default (logs at INFO included): the fleet as deployed.
@@ -333,10 +366,69 @@ def main() -> None:
     report["api_submits_vs_minimal"] = report["api_submits_per_s_at_64"] / report["minimal_submits_per_s_at_64"]
     report["api_submits_vs_minimal_per_round_median"] = statistics.median(
         a["ok_per_s"] / m["ok_per_s"] for a, m in zip(api, base))
-    print_table(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fleet.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out / "fleet.png")
+    return report
+
+
+
+#: The job path's targets (issue 16): fleet over engine, and one job's overhead in ms.
+JOB_TARGETS = {"short_jobs_fleet_over_engine": 0.5, "long_jobs_fleet_over_engine": 0.9, "overhead_p50_ms": 10}
+#: Output lengths of the job-path sweep: 1 is `short`, 128 is `long`.
+OUTPUT_LENGTHS = (1, 8, 32, 128)
+
+
+def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
+    """Jobs through the fleet against the same jobs on one engine (bench/fleet_jobs.py),
+    per output length, and one job's overhead on the idle fleet."""
+    short_n = 1000 if args.quick else 2000
+    long_n = 150 if args.quick else 500
+    lengths = (1, 128) if args.quick else OUTPUT_LENGTHS
+    counts = {n: short_n if n == 1 else long_n if n == 128 else max(long_n, short_n // n) for n in lengths}
+    engine = {}
+    for n in lengths:  # before the fleet starts: nothing else runs on the machine
+        engine[n] = fleet_jobs.engine_alone("builtin:tiny", fleet_jobs.prompts(counts[n], seed=n), n)
+        print(f"[bench] engine alone, {counts[n]} jobs of {n} tokens: {engine[n]['jobs_per_s']:.0f} jobs/s "
+              f"{engine[n]['tokens_per_s']:.0f} tokens/s", flush=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-jobs-"))
+    prefix = f"bj{uuid.uuid4().hex[:8]}"
+    env = {"KVFLEET_TENANTS": json.dumps(TENANTS), "KVFLEET_MAX_BACKLOG_HIGH": NO_BACKLOG_BOUND,
+           "KVFLEET_MAX_BACKLOG_NORMAL": NO_BACKLOG_BOUND, "KVFLEET_MAX_BACKLOG_LOW": NO_BACKLOG_BOUND,
+           "KVFLEET_FILES_DIR": str(log_dir / "files")}
+    fleet = Fleet(prefix=prefix, kafka=infra["kafka"], redis_url=infra["redis-state"],
+                  cache_redis_url=infra["redis-cache"], log_dir=log_dir, extra_env=env)
+    topics = [f"{prefix}.requests.{p}" for p in ("high", "normal", "low", "dlq", "results")]
+    fleet_runs = {}
+    try:
+        fleet.start("api")
+        fleet.start("scheduler")
+        for _ in range(args.workers):
+            fleet.start("worker")
+        fleet.wait_ready(workers=args.workers)
+        over = fleet_jobs.overhead(fleet.url, API_KEY, 15 if args.quick else 40, seed=99)
+        print(f"[bench] overhead of one 1-token job on the idle fleet: p50 {over['overhead_p50_ms']:.1f} ms",
+              flush=True)
+        fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",
+                                 fleet_jobs.prompts(50, seed=7), 1, label="warm-up")
+        for n in lengths:
+            run = fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",
+                                           fleet_jobs.prompts(counts[n], seed=n), n, label=f"{n}-token jobs")
+            fleet_runs[n] = run
+            print(f"[bench] fleet, {counts[n]} jobs of {n} tokens: {run['jobs_per_s']:.0f} jobs/s "
+                  f"{run['tokens_per_s']:.0f} tokens/s, {run['done']} done, {run['runs_beyond_one']} reruns "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        fleet.assert_alive()
+    finally:
+        fleet.stop()
+        cleanup(fleet, infra["redis-state"], infra["kafka"], topics)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    by_length = [{"max_new_tokens": n, "jobs": counts[n], "fleet": fleet_runs[n], "engine": engine[n],
+                  "jobs_fleet_over_engine": fleet_runs[n]["jobs_per_s"] / engine[n]["jobs_per_s"],
+                  "tokens_fleet_over_engine": fleet_runs[n]["tokens_per_s"] / engine[n]["tokens_per_s"]}
+                 for n in lengths]
+    row = {r["max_new_tokens"]: r for r in by_length}
+    return {"workers": args.workers, "model": "builtin:tiny", "by_output_length": by_length, "overhead": over,
+            "short_jobs_fleet_over_engine": row[1]["jobs_fleet_over_engine"],
+            "long_jobs_fleet_over_engine": row[128]["tokens_fleet_over_engine"],
+            "overhead_p50_ms": over["overhead_p50_ms"], "load_avg_1m_end": os.getloadavg()[0]}
 
 
 def _up(url: str) -> bool:
@@ -347,6 +439,31 @@ def _up(url: str) -> bool:
 
 
 def print_table(report: dict) -> None:
+    if "api_submits_per_s_at_64" in report:
+        print_front_door(report)
+    if "jobs" in report:
+        print_job_path(report["jobs"])
+
+
+def print_job_path(jobs: dict) -> None:
+    print(f"\n{'job path: ' + str(jobs['workers']) + ' workers':24} {'jobs':>6} {'fleet jobs/s':>13} "
+          f"{'engine jobs/s':>14} {'fleet tok/s':>12} {'engine tok/s':>13} {'fleet/engine':>13}")
+    for r in jobs["by_output_length"]:
+        n = r["max_new_tokens"]
+        ratio = r["jobs_fleet_over_engine"] if n == 1 else r["tokens_fleet_over_engine"]
+        print(f"{str(n) + '-token jobs':24} {r['jobs']:6d} {r['fleet']['jobs_per_s']:13.0f} "
+              f"{r['engine']['jobs_per_s']:14.0f} {r['fleet']['tokens_per_s']:12.0f} "
+              f"{r['engine']['tokens_per_s']:13.0f} {ratio:13.2f}")
+    print(f"short (1-token) fleet/engine {jobs['short_jobs_fleet_over_engine']:.2f} (target >= 0.5); long "
+          f"(128-token, tokens/s) {jobs['long_jobs_fleet_over_engine']:.2f} (target >= 0.9)")
+    o = jobs["overhead"]
+    print(f"\none 1-token job on the idle fleet (median ms of {o['jobs']}); overhead p50 "
+          f"{o['overhead_p50_ms']:.1f} ms (target <= 10), p90 {o['overhead_p90_ms']:.1f} ms")
+    for hop, ms in o["hops_median_ms"].items():
+        print(f"  {hop:38} {ms:8.2f}")
+
+
+def print_front_door(report: dict) -> None:
     print(f"\n{'64 connections (median of ' + str(report['rounds']) + ' rounds)':40} {'jobs/s':>8} {'p50 ms':>8} "
           f"{'p99 ms':>8}")
     for name in ("api", "minimal"):
@@ -373,22 +490,38 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, lat) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for name, label, color in (("api", "kvfleet API", "tab:blue"), ("minimal", "minimal endpoint", "tab:orange")):
-        runs = report["sweep"][name]
-        xs = [r["connections"] for r in runs]
-        ax.plot(xs, [r["ok_per_s"] for r in runs], marker="o", color=color, label=label)
-        lat.plot(xs, [r["p99_ms"] for r in runs], marker="o", color=color, label=f"{label} p99")
-        lat.plot(xs, [r["p50_ms"] for r in runs], marker=".", color=color, linestyle="--", label=f"{label} p50")
-    for axis in (ax, lat):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("offered load: concurrent connections (wrk)")
-        axis.legend()
-    ax.set_ylabel("jobs accepted per second")
-    lat.set_ylabel("latency (ms)")
-    lat.set_yscale("log")
-    ax.set_title(f"POST /v1/jobs: api / minimal = {report['api_submits_vs_minimal']:.2f} at 64")
-    lat.set_title(f"api p99 at 64 = {report['api_submit_p99_ms_at_64']:.0f} ms")
+    front, jobs = "sweep" in report, "jobs" in report
+    fig, axes = plt.subplots(1, 2 * front + jobs, figsize=(5.5 * (2 * front + jobs), 4.5), squeeze=False)
+    axes = list(axes[0])
+    if front:
+        ax, lat = axes[0], axes[1]
+        for name, label, color in (("api", "kvfleet API", "tab:blue"), ("minimal", "minimal endpoint", "tab:orange")):
+            runs = report["sweep"][name]
+            xs = [r["connections"] for r in runs]
+            ax.plot(xs, [r["ok_per_s"] for r in runs], marker="o", color=color, label=label)
+            lat.plot(xs, [r["p99_ms"] for r in runs], marker="o", color=color, label=f"{label} p99")
+            lat.plot(xs, [r["p50_ms"] for r in runs], marker=".", color=color, linestyle="--", label=f"{label} p50")
+        for axis in (ax, lat):
+            axis.set_xscale("log", base=2)
+            axis.set_xlabel("offered load: concurrent connections (wrk)")
+            axis.legend()
+        ax.set_ylabel("jobs accepted per second")
+        lat.set_ylabel("latency (ms)")
+        lat.set_yscale("log")
+        ax.set_title(f"POST /v1/jobs: api / minimal = {report['api_submits_vs_minimal']:.2f} at 64")
+        lat.set_title(f"api p99 at 64 = {report['api_submit_p99_ms_at_64']:.0f} ms")
+    if jobs:
+        ax = axes[-1]
+        rows = report["jobs"]["by_output_length"]
+        xs = [r["max_new_tokens"] for r in rows]
+        ax.plot(xs, [r["fleet"]["jobs_per_s"] for r in rows], marker="o", label="through the fleet")
+        ax.plot(xs, [r["engine"]["jobs_per_s"] for r in rows], marker="o", label="one engine, same cores")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("output tokens per job")
+        ax.set_ylabel("jobs finished per second")
+        ax.set_title(f"job path: short fleet/engine = {report['jobs']['short_jobs_fleet_over_engine']:.2f}")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -75,6 +75,12 @@ class Keys:
         """Redis Stream of one job's generated text as it is produced (streaming clients)."""
         return f"{self.prefix}:stream:{job_id}"
 
+    @property
+    def ledger_freed(self) -> str:
+        """Pub/sub channel told whenever a finished job's reservation is released: what
+        wakes a scheduler that waits for budget (scheduler/wake.py)."""
+        return f"{self.prefix}:events:ledger-freed"
+
     def run_lease(self, job_id: str) -> str:
         """Held by the worker that is executing the job right now."""
         return f"{self.prefix}:lock:run:{job_id}"

@@ -33,7 +33,9 @@ def make_producer(kafka: KafkaSettings, *, client_id: str) -> KafkaProducer:
         acks="all",
         retries=10,
         enable_idempotence=True,
-        linger_ms=2,  # a little batching under load costs < 2 ms at idle
+        # No linger: kafka-python batches what arrives while a request is in flight anyway,
+        # and a linger of 2 ms made an idle produce wait 4.8 ms instead of 1.3 (issue 16).
+        linger_ms=0,
         request_timeout_ms=10_000,
         max_block_ms=10_000,  # fail fast (503) instead of hanging a request when Kafka is down
     )

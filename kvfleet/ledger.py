@@ -174,9 +174,14 @@ class Ledger:
         self._release = client.register_script(_RELEASE)
         self._snapshot = client.register_script(_SNAPSHOT)
 
-    def renew(self, job_id: str, lease_s: float, *, now: Optional[float] = None) -> bool:
+    def renew(self, job_id: str, lease_s: float, *, now: Optional[float] = None,
+              pipe: Optional[redis.client.Pipeline] = None) -> bool:
         """Push the lease deadline to now + lease_s. False: the reservation is gone
-        (finished, released or reclaimed), and the caller must not assume it holds tokens."""
+        (finished, released or reclaimed), and the caller must not assume it holds tokens.
+        With `pipe`, queued on that pipeline instead (its reply comes with `execute`)."""
+        if pipe is not None:
+            self._renew(keys=self._keys[:2], args=[job_id, lease_s, now_arg(now)], client=pipe)
+            return True
         return bool(self._renew(keys=self._keys[:2], args=[job_id, lease_s, now_arg(now)]))
 
     def reclaim_expired(self, lease_s: float, now: Optional[float] = None) -> list[str]:

@@ -46,7 +46,9 @@ def setup(service: str, level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     # Library chatter at INFO (kafka-python's every connection) drowns the job lines.
-    for noisy in ("kafka", "celery.worker.strategy", "uvicorn.access", "httpx"):
+    # Celery's "received" and "succeeded" lines (strategy, app.trace) repeat per task what
+    # the runner's own lines say with the job id, at a cost per job.
+    for noisy in ("kafka", "celery.worker.strategy", "celery.app.trace", "uvicorn.access", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

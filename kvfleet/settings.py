@@ -255,8 +255,9 @@ class SchedulerSettings:
     #: How long one poll waits for records, ms.
     poll_timeout_ms: int = knob(200, "POLL_TIMEOUT_MS", int, lo=1)
     max_poll_records: int = knob(500, "MAX_POLL_RECORDS", int, lo=1)
-    #: How long one poll waits while jobs wait for budget, ms: how soon tokens that a
-    #: finishing job released are noticed (the ledger is read after every poll).
+    #: The longest the loop waits while jobs wait for budget, ms. Tokens a finishing job
+    #: releases wake it at once (scheduler/wake.py); a new worker's capacity, a Redis
+    #: without pub/sub or new Kafka records are noticed within this.
     busy_poll_ms: int = knob(20, "BUSY_POLL_MS", int, lo=1)
     #: An operator's cap on the fleet's token budget; 0 = the live workers' KV capacity.
     capacity_ceiling_tokens: int = knob(0, "CAPACITY_CEILING_TOKENS", int, lo=0)

@@ -54,7 +54,12 @@ class Lease:
         """One attempt; True if we now hold the lease."""
         return bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
 
-    def renew(self) -> bool:
+    def renew(self, *, pipe: Optional[redis.client.Pipeline] = None) -> bool:
+        """Extend the lease by its TTL if we still own it. With `pipe`, the renewal is
+        queued on that pipeline instead (its reply, 1 or 0, comes with `execute`)."""
+        if pipe is not None:
+            self._renew(keys=[self.key], args=[self.token, self.ttl_ms], client=pipe)
+            return True
         return bool(self._renew(keys=[self.key], args=[self.token, self.ttl_ms]))
 
     def release(self) -> bool:

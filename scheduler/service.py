@@ -59,6 +59,7 @@ from scheduler.health import IdleWithLag, serve
 from scheduler.intake import Rejected, Tokenize, decode_record, dlq_headers, job_id_hint
 from scheduler.offsets import OffsetBook, Revocations
 from scheduler.policy import Budget, Decision, PendingJob, Policy, Verdict
+from scheduler.wake import BudgetWake
 
 log = logging.getLogger("kvfleet.scheduler")
 
@@ -98,7 +99,8 @@ class SchedulerService:
     def __init__(self, settings: Settings, consumer: KafkaConsumer, dlq_producer: KafkaProducer,
                  dispatcher: Dispatcher, ledger: Ledger, capacity: FleetCapacity, tenancy: Tenancy,
                  tokenize: Callable[[JobRequest], JobRequest], *, relay: Optional[ResultRelay] = None,
-                 group_offsets: Callable[[], dict[TopicPartition, int]] = dict) -> None:
+                 group_offsets: Callable[[], dict[TopicPartition, int]] = dict,
+                 wake: Optional[BudgetWake] = None) -> None:
         self.settings = settings
         self.consumer = consumer
         self.dlq = dlq_producer
@@ -109,6 +111,9 @@ class SchedulerService:
         self.tenancy = tenancy
         self.tokenize = tokenize
         self.relay = relay
+        #: Wakes the loop when tokens are freed while jobs wait for budget; None: the
+        #: loop polls Kafka for busy_poll_ms instead.
+        self.wake = wake
         self._relay_thread: Optional[threading.Thread] = None
         self.policy = Policy(settings.policy, tenancy.tenants)
         self.stopping = threading.Event()
@@ -189,9 +194,17 @@ class SchedulerService:
 
     def poll(self) -> list[ConsumerRecord]:
         s = self.settings.scheduler
-        # Jobs waiting for budget: come back soon to see the tokens finishing jobs free.
-        timeout = s.busy_poll_ms if self.policy.pending() or self.resend else s.poll_timeout_ms
-        polled = self.consumer.poll(timeout_ms=timeout, max_records=s.max_poll_records)
+        if not (self.policy.pending() or self.resend):
+            polled = self.consumer.poll(timeout_ms=s.poll_timeout_ms, max_records=s.max_poll_records)
+        else:
+            # Jobs wait for budget: take what Kafka holds now, and if nothing, wait for a
+            # finishing job's tokens (scheduler/wake.py), at most busy_poll_ms.
+            polled = self.consumer.poll(timeout_ms=0, max_records=s.max_poll_records)
+            if not polled and self.wake is not None:
+                self.wake.wait(s.busy_poll_ms / 1000)
+                polled = self.consumer.poll(timeout_ms=0, max_records=s.max_poll_records)
+            elif not polled:
+                polled = self.consumer.poll(timeout_ms=s.busy_poll_ms, max_records=s.max_poll_records)
         return [r for rs in polled.values() for r in rs]
 
     def forget_revoked(self) -> None:
@@ -499,7 +512,7 @@ def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: 
     return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"),
                             dispatcher, Ledger(client, keys), capacity,
                             tenancy or Tenancy.from_settings(settings), Tokenize(settings.model.source), relay=relay,
-                            group_offsets=group_offsets)
+                            group_offsets=group_offsets, wake=BudgetWake(client, keys.ledger_freed))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -521,6 +534,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         service.consumer.close()  # leaves the group at once so partitions move without waiting
         service.dlq.close(timeout=5)
         service.stop_relay()
+        if service.wake is not None:
+            service.wake.close()
         log.info("scheduler stopped")
 
 

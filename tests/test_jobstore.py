@@ -98,3 +98,88 @@ def test_finished_jobs_expire(store, redis_client):
     assert 0 < redis_client.ttl(store.keys.job(job.job_id)) <= 7 * 24 * 3600
     store.fail(job.job_id, JobState.FAILED, "x", "y", now=1.0)
     assert 0 < redis_client.ttl(store.keys.job(job.job_id)) <= 24 * 3600
+
+
+def _begin(store, job_id, lease, *, now=10.0, deadline=None):
+    return store.begin(job_id, lease_token=lease.token, lease_ms=lease.ttl_ms, now=now, worker="w",
+                       reservation_lease_s=30.0, deadline=deadline)
+
+
+def test_begin_takes_the_lease_starts_the_run_and_renews_the_reservation(store, redis_client):
+    job = _job()
+    store.create(job)
+    assert store.transition(job.job_id, JobState.ADMITTED, admitted_at=3.0).ok
+    redis_client.hset(store.keys.ledger, job.job_id, 100)
+    redis_client.zadd(store.keys.ledger_leases, {job.job_id: 1.0})  # the admission lease, about to run out
+    lease = Lease(redis_client, store.keys.run_lease(job.job_id), 5000)
+    begun = _begin(store, job.job_id, lease)
+    assert (begun.outcome, begun.previous, begun.attempt) == ("started", "admitted", 1)
+    assert begun.timings.admitted_at == 3.0 and begun.timings.queued_at == pytest.approx(job.submitted_at)
+    assert redis_client.get(store.keys.run_lease(job.job_id)).decode() == lease.token
+    assert store.get(job.job_id).status is JobState.RUNNING and store.field(job.job_id, "worker") == "w"
+    assert redis_client.zscore(store.keys.ledger_leases, job.job_id) > time.time() + 20  # the run lease's now
+
+
+def test_begin_refuses_a_held_lease_a_finished_job_and_a_missing_one(store, redis_client):
+    job = _job()
+    store.create(job)
+    first = Lease(redis_client, store.keys.run_lease(job.job_id), 5000)
+    second = Lease(redis_client, store.keys.run_lease(job.job_id), 5000)
+    assert _begin(store, job.job_id, first).outcome == "started"
+    held = _begin(store, job.job_id, second)
+    assert (held.outcome, held.previous) == ("held", "running")
+    assert store.field(job.job_id, "attempts") == "1"  # a refused copy counts no attempt
+    assert store.finish(_done(job), lease_token=first.token).ok
+    assert redis_client.get(store.keys.run_lease(job.job_id)) is None  # released with the result
+    done = _begin(store, job.job_id, second)
+    assert (done.outcome, done.previous) == ("terminal", "done")
+    assert redis_client.get(store.keys.run_lease(job.job_id)) is None  # a finished job is not leased
+    assert _begin(store, "nope", second).outcome == "missing"
+
+
+def test_begin_after_the_deadline_leases_the_job_but_does_not_start_it(store, redis_client):
+    job = _job()
+    store.create(job)
+    lease = Lease(redis_client, store.keys.run_lease(job.job_id), 5000)
+    begun = _begin(store, job.job_id, lease, now=10.0, deadline=9.0)
+    assert (begun.outcome, begun.previous) == ("expired", "queued")
+    assert store.get(job.job_id).status is JobState.QUEUED and store.field(job.job_id, "attempts") == "0"
+    assert store.fail(job.job_id, JobState.EXPIRED, "deadline_passed", "late", now=10.0, lease_token=lease.token).ok
+
+
+def test_begin_again_after_a_dead_runner_counts_the_next_attempt(store, redis_client):
+    job = _job()
+    store.create(job)
+    dead = Lease(redis_client, store.keys.run_lease(job.job_id), 5000)
+    assert _begin(store, job.job_id, dead).attempt == 1
+    redis_client.delete(store.keys.run_lease(job.job_id))  # its lease ran out
+    again = _begin(store, job.job_id, Lease(redis_client, store.keys.run_lease(job.job_id), 5000))
+    assert (again.outcome, again.previous, again.attempt) == ("started", "running", 2)
+
+
+def test_finish_leaves_a_lease_it_does_not_hold(store, redis_client):
+    job = _job()
+    store.create(job)
+    store.start(job.job_id, now=1.0, worker="w")
+    other = Lease(redis_client, store.keys.run_lease(job.job_id), 5000)
+    assert other.acquire()
+    assert store.finish(_done(job)).ok  # no token: the API's cancel, say
+    assert redis_client.get(store.keys.run_lease(job.job_id)).decode() == other.token
+
+
+def test_finish_announces_a_released_reservation_and_wakes_a_waiting_scheduler(store, redis_client):
+    from scheduler.wake import BudgetWake
+
+    wake = BudgetWake(redis_client, store.keys.ledger_freed)
+    wake.wait(0)  # subscribed
+    unreserved, reserved = _job("u1"), _job("r1")
+    for job in (unreserved, reserved):
+        store.create(job)
+        store.start(job.job_id, now=1.0, worker="w")  # done only from running
+    redis_client.hset(store.keys.ledger, reserved.job_id, 100)
+    redis_client.zadd(store.keys.ledger_leases, {reserved.job_id: time.time() + 60})
+    assert store.finish(_done(unreserved)).ok  # nothing released: nothing announced
+    assert store.finish(_done(reserved)).ok
+    # Returns as soon as the release arrives (the timeout only bounds a broken test).
+    assert wake.wait(30) == 1
+    wake.close()

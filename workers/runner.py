@@ -6,11 +6,15 @@ dispatched twice). The runner tells them apart with two facts in Redis:
   - the job's state: terminal means done already, so this copy only acknowledges;
   - the job's run lease: held means another copy is executing it right now, so this copy
     waits until that copy finishes (then acknowledges) or dies (then takes over).
-The result is written by `JobStore.finish`, which checks that this runner still holds
-the lease, so even a runner that stalled past its lease cannot write a second result.
+The runner reads both, takes the lease and marks the job running in one atomic call
+(`JobStore.begin`). The result is written by `JobStore.finish`, which checks that this
+runner still holds the lease and releases it in the same call, so even a runner that
+stalled past its lease cannot write a second result. A run costs the state Redis two
+round trips of its own, begin and finish; `RunWatch` renews the leases of every job
+running here together.
 
 Tokens: the scheduler reserved the job's KV tokens in the ledger when it admitted it;
-the runner executing it renews that reservation with its run lease (`RunWatch`), and
+`begin` moves that reservation to the run lease, `RunWatch` renews both together, and
 `finish` releases it in the same Lua call that writes the result. A duplicate copy
 never renews, reserves or releases anything.
 
@@ -48,7 +52,7 @@ from kvfleet.contracts import (
     Usage,
     request_from_builtins,
 )
-from kvfleet.jobstore import JobStore
+from kvfleet.jobstore import Begun, JobStore
 from kvfleet.ledger import Ledger
 from kvstore.lock import Lease
 from workers.drain import HandBack
@@ -89,9 +93,10 @@ class Outcome:
 
 class RunWatch:
     """One thread per worker process looking after the jobs it executes right now:
-    it renews their ledger reservations alongside their run leases, and cancels in the
-    engine any job whose state became `cancelled`. One pipelined read per tick covers
-    every running job, so watching costs the same for one job or sixty-four."""
+    it renews their run leases and their ledger reservations, and cancels in the engine
+    any job whose state became `cancelled`. One pipelined round trip per tick covers
+    every running job, so watching costs the same for one job or sixty-four (a thread
+    per job renewing its own lease cost a thread start and a round trip each)."""
 
     def __init__(self, store: JobStore, ledger: Ledger, cancel: Callable[[str], bool], *,
                  lease_s: float = constants.RUN_LEASE_S, tick_s: float = 0.2) -> None:
@@ -100,23 +105,23 @@ class RunWatch:
         self.cancel = cancel
         self.lease_s = lease_s
         self.tick_s = tick_s  # the longest a cancelled job keeps running, plus one engine step
-        self._jobs: set[str] = set()
+        self._jobs: dict[str, Optional[Lease]] = {}  # job id -> its run lease; None once lost
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
-    def add(self, job_id: str) -> None:
-        """Watch a job that starts now; its reservation moves from the admission lease
-        (it covered the wait in the Celery queue) to the run lease at once."""
-        self.ledger.renew(job_id, self.lease_s)
+    def add(self, job_id: str, lease: Lease) -> None:
+        """Watch a job that starts now under `lease` (its run lease): both it and the
+        job's reservation are renewed from here on (`JobStore.begin` moved the
+        reservation to the run lease already)."""
         with self._lock:
-            self._jobs.add(job_id)
+            self._jobs[job_id] = lease
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="run-watch", daemon=True)
                 self._thread.start()
 
     def discard(self, job_id: str) -> None:
         with self._lock:
-            self._jobs.discard(job_id)
+            self._jobs.pop(job_id, None)
 
     def jobs(self) -> list[str]:
         with self._lock:
@@ -133,7 +138,7 @@ class RunWatch:
             try:
                 self._cancel_cancelled(jobs)
                 if tick % renew_every == 0:
-                    self._renew(jobs)
+                    self._renew()
             except redis.RedisError as exc:
                 log.warning("run watch: Redis unavailable", extra={"error": str(exc)})  # next tick retries
 
@@ -143,9 +148,24 @@ class RunWatch:
             if state is JobState.CANCELLED and self.cancel(job_id):
                 log.info("cancelling in the engine", extra={"job_id": job_id})
 
-    def _renew(self, jobs: list[str]) -> None:
-        for job_id in jobs:
-            if not self.ledger.renew(job_id, self.lease_s):
+    def _renew(self) -> None:
+        """Every run lease and reservation of the jobs running here, in one round trip."""
+        with self._lock:
+            leases = [(job_id, lease) for job_id, lease in sorted(self._jobs.items()) if lease is not None]
+        with self.store.client.pipeline(transaction=False) as pipe:
+            for job_id, lease in leases:
+                lease.renew(pipe=pipe)
+                self.ledger.renew(job_id, self.lease_s, pipe=pipe)
+            replies = pipe.execute()
+        for (job_id, lease), held, reserved in zip(leases, replies[::2], replies[1::2]):
+            if not held:
+                # Expired and taken over after a stall: renewing would only fail again, and
+                # the job store refuses this run's result (the new holder's stands).
+                log.warning("run lease lost", extra={"job_id": job_id})
+                with self._lock:
+                    if job_id in self._jobs:
+                        self._jobs[job_id] = None
+            if not reserved:
                 # Released (finished, cancelled) since the read, or reclaimed after a stall:
                 # then the scheduler reserves it again when it re-sends the job.
                 log.debug("no reservation to renew", extra={"job_id": job_id})
@@ -195,28 +215,30 @@ class JobRunner:
                 self.store.fail(job_id, JobState.FAILED, "invalid_task", f"the task payload was invalid: {exc}",
                                 now=self.clock())
             return Outcome("invalid", job_id if isinstance(job_id, str) else None)
-        if self.store.state(job.job_id) is None:
-            # Dispatched by a path that skipped the API (or the record expired): record it
-            # so the job has a truthful state from here on.
-            self.store.create(job)
         if self.draining.is_set():
             raise HandBack(f"worker {self.worker_id} is draining; job {job.job_id} goes back to its queue")
         lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)
-        if not self._claim(job.job_id, lease):
+        begun = self._claim(job, lease)
+        if begun is None:
             log.info("duplicate delivery; another copy finished or runs the job", extra={"job_id": job.job_id})
             return Outcome("duplicate", job.job_id)
+        finished = False
         try:
-            return self._execute(job, lease)
+            outcome = self._execute(job, lease, begun)
+            finished = outcome.label == "done"  # its `finish` released the lease with the result
+            return outcome
         finally:
-            lease.release()
+            if not finished:
+                lease.release()
 
     def running_jobs(self) -> list[str]:
         """The jobs this worker's engine is generating right now."""
         return self.watch.jobs()
 
-    def _claim(self, job_id: str, lease: Lease) -> bool:
-        """Take the run lease; False if the job reached a terminal state meanwhile, or
-        another copy keeps running it for longer than its lease could outlive a crash.
+    def _claim(self, job: JobRequest, lease: Lease) -> Optional[Begun]:
+        """Take the run lease and start the run (`JobStore.begin`, one round trip); None
+        if the job reached a terminal state, or another copy keeps running it for longer
+        than its lease could outlive a crash.
 
         The wait is bounded (issue 13 #5): a duplicate that waited for a live copy
         would hold one of this worker's task threads for the whole job. Giving up is
@@ -225,41 +247,36 @@ class JobRunner:
         the scheduler reclaims the reservation and sends the job again."""
         give_up_at = time.monotonic() + 2 * self.lease_ms / 1000
         while True:
-            state = self.store.state(job_id)
-            if state is not None and state.terminal:
-                return False
-            if lease.acquire():
-                # Re-check: the previous holder may have finished between our read and
-                # the acquire (finish writes the result, then releases the lease).
-                state = self.store.state(job_id)
-                if state is not None and state.terminal:
-                    lease.release()
-                    return False
-                return True
-            if time.monotonic() >= give_up_at:
-                log.info("another copy keeps running the job; leaving it to that copy", extra={"job_id": job_id})
-                return False
+            begun = self.store.begin(job.job_id, lease_token=lease.token, lease_ms=self.lease_ms, now=self.clock(),
+                                     worker=self.worker_id, reservation_lease_s=self.lease_ms / 1000,
+                                     deadline=job.deadline)
+            if begun.outcome in ("started", "expired"):
+                return begun
+            if begun.outcome == "terminal":
+                return None
+            if begun.outcome == "missing":
+                # Dispatched by a path that skipped the API (or the record expired): record
+                # it so the job has a truthful state from here on, then begin again.
+                self.store.create(job)
+                continue
+            if time.monotonic() >= give_up_at:  # held
+                log.info("another copy keeps running the job; leaving it to that copy", extra={"job_id": job.job_id})
+                return None
             # Another copy runs it now. Wait: it either finishes (terminal) or dies and
             # its lease expires (within one lease), after which we take over.
             time.sleep(self.poll_s)
 
-    def _execute(self, job: JobRequest, lease: Lease) -> Outcome:
-        lease.keep_alive()
-        now = self.clock()
-        if job.deadline is not None and now > job.deadline:
+    def _execute(self, job: JobRequest, lease: Lease, begun: Begun) -> Outcome:
+        if begun.outcome == "expired":
+            now = self.clock()
             self.store.fail(job.job_id, JobState.EXPIRED, "deadline_passed",
                             f"the job waited {now - job.submitted_at:.1f}s and passed its deadline before it could run",
                             now=now, lease_token=lease.token)
             log.info("expired before start", extra={"job_id": job.job_id})
             return Outcome("expired", job.job_id)
-        started = self.store.start(job.job_id, now=now, worker=self.worker_id)
-        if not started.ok:
-            # Cancelled (or ended) between the claim and the start: it must not run.
-            log.info("not started", extra={"job_id": job.job_id, "state": started.previous})
-            return Outcome("cancelled" if started.previous == JobState.CANCELLED.value else "duplicate", job.job_id)
-        self.watch.add(job.job_id)
+        self.watch.add(job.job_id, lease)
         log.info("running", extra={"job_id": job.job_id, "priority": job.priority.value, "tenant": job.tenant})
-        on_token = self._begin_stream(job)
+        on_token = self._begin_stream(job, begun.attempt)
         try:
             # The API (or, for a job produced straight to Kafka, the scheduler) tokenized the
             # prompt; only a task sent by a scheduler from before that carries text.
@@ -295,10 +312,10 @@ class JobRunner:
             log.warning("rejected by engine", extra={"job_id": job.job_id, "error": str(exc)})
             return Outcome("failed", job.job_id)
         except Exception as exc:  # noqa: BLE001 - an engine fault (StepFailed, a device error), not the job's
-            return self._faulted(job, lease, exc, started.attempt)
+            return self._faulted(job, lease, exc, begun.attempt)
         finally:
             self.watch.discard(job.job_id)
-        result = self._result(job, completion, started.attempt, from_cache)
+        result = self._result(job, completion, begun, from_cache)
         # The stream's last text and its end before the result: see the module docstring.
         self._end_stream(job.job_id, JobState.DONE, text=result.text, finish_reason=result.finish_reason,
                          usage=result.usage)
@@ -313,16 +330,10 @@ class JobRunner:
                                 "seconds": round(completion.finished_at - completion.started_at, 3)})
         return Outcome("done", job.job_id)
 
-    def _begin_stream(self, job: JobRequest) -> Optional[Callable[[int], None]]:
-        """Announce the run on the job's stream; the engine's per-token callback (None
-        when this worker does not stream)."""
+    def _begin_stream(self, job: JobRequest, attempt: int) -> Optional[Callable[[int], None]]:
+        """Announce the run (2 and up: the job is rerun from scratch) on the job's stream;
+        the engine's per-token callback (None when this worker does not stream)."""
         if self.stream is None:
-            return None
-        try:
-            # Counted by `store.start` just now: 2 and up means the job is rerun from scratch.
-            attempt = int(self.store.field(job.job_id, "attempts") or 1)
-        except redis.RedisError as exc:  # the stream is a convenience: never fail a job for it
-            log.warning("no stream for this run", extra={"job_id": job.job_id, "error": str(exc)})
             return None
         self.stream.begin(job.job_id, attempt, stop=job.sampling.stop, stop_token_ids=job.sampling.stop_token_ids)
         return self.stream.on_token(job.job_id)
@@ -350,14 +361,14 @@ class JobRunner:
                   exc_info=exc)
         return Outcome("failed", job.job_id)
 
-    def _result(self, job: JobRequest, c: Completion, attempt: int, from_cache: bool = False) -> JobResult:
-        current = self.store.get(job.job_id)
-        timings = current.timings if current is not None else Timings(queued_at=job.submitted_at)
+    def _result(self, job: JobRequest, c: Completion, begun: Begun, from_cache: bool = False) -> JobResult:
+        timings = begun.timings if begun.timings.queued_at is not None else \
+            msgspec.structs.replace(begun.timings, queued_at=job.submitted_at)
         return JobResult(
             job_id=job.job_id, status=JobState.DONE, tenant=job.tenant, priority=job.priority,
             text=c.text, tokens=c.tokens, finish_reason=c.finish_reason,
             usage=Usage(prompt_tokens=c.prompt_tokens, completion_tokens=len(c.tokens), cached_tokens=c.cached_tokens),
             timings=msgspec.structs.replace(timings, started_at=c.started_at, first_token_at=c.first_token_at,
                                             finished_at=c.finished_at),
-            worker=self.worker_id, attempt=attempt, from_cache=from_cache,
+            worker=self.worker_id, attempt=begun.attempt, from_cache=from_cache,
         )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
@@ -35,7 +34,8 @@ log = logging.getLogger("kvfleet.worker")
 
 #: How long the thread gathers tokens before a flush, seconds: at one token per engine
 #: step, a flush per step would be a round trip per token; 20 ms is below what a
-#: reader notices and batches several steps of a small model.
+#: reader notices and batches several steps of a small model. A batch with a run's end
+#: in it is flushed without this wait: the end holds up the job's result.
 FLUSH_S = 0.02
 #: The longest `end` waits for its write, seconds: a Redis that does not answer delays
 #: a job's result by at most this (the result, not the stream, is the truth).
@@ -90,6 +90,7 @@ class StreamPublisher:
         self.flush_s = flush_s
         self._queue: "queue.SimpleQueue[Optional[_Item]]" = queue.SimpleQueue()  # unbounded: put never blocks
         self._runs: dict[str, _Run] = {}  # only this thread touches it
+        self._ended = threading.Event()  # an end was queued: flush without waiting out flush_s
         self._thread = threading.Thread(target=self._loop, name="stream-publisher", daemon=True)
 
     def start(self) -> "StreamPublisher":
@@ -99,6 +100,7 @@ class StreamPublisher:
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued, then stop."""
         self._queue.put(None)
+        self._ended.set()
         self._thread.join(timeout)
 
     # --- the runner's thread ------------------------------------------------------------
@@ -119,6 +121,7 @@ class StreamPublisher:
         or after END_TIMEOUT_S (False)."""
         written = threading.Event()
         self._queue.put(_End(job_id, status, text, finish_reason, usage, error, written))
+        self._ended.set()
         return written.wait(END_TIMEOUT_S) if wait else False
 
     # --- this thread --------------------------------------------------------------------
@@ -126,19 +129,26 @@ class StreamPublisher:
     def _loop(self) -> None:
         stopping = False
         while not stopping:
-            items = [self._queue.get()]
-            time.sleep(self.flush_s)  # let a few engine steps' tokens gather
-            while True:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            items = self._drain([self._queue.get()])
+            if not any(isinstance(item, _End) or item is None for item in items):
+                # Only tokens and starts: let a few engine steps' tokens gather, unless an
+                # end arrives meanwhile: its runner waits for it before the job's result.
+                self._ended.wait(self.flush_s)
+                self._ended.clear()
+                items = self._drain(items)
             stopping = None in items
             try:
                 self._flush([item for item in items if item is not None])
             except Exception:  # noqa: BLE001 - a bug here must not end streaming for the process
                 log.exception("stream publisher: flush failed")
         log.info("stream publisher stopped")
+
+    def _drain(self, items: list[Optional[_Item]]) -> list[Optional[_Item]]:
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
 
     def _flush(self, items: list[_Item]) -> None:
         out: list[tuple[str, StreamEvent]] = []  # in order per job: start, deltas, end

@@ -1,0 +1,157 @@
+"""The job path of bench/fleet.py: jobs through the whole fleet against the same jobs on
+one engine, and the overhead one job pays on an idle fleet.
+
+Engine alone (the baseline): this process loads the model, builds an `Engine` with the
+workers' default EngineConfig, lets torch use every core, and submits all the jobs at
+once (`Engine.submit`), the most a single engine can do with them.
+
+Through the fleet: the jobs are produced straight to Kafka (the normal topic, kafka-python,
+acks=all), the scheduler admits them, the workers run them, and the run ends when every
+job's terminal result has reached the results topic (the path a Kafka client waits on,
+after the job store wrote it). Throughput counts from the first produce to the last
+result. Both sides run greedy, so they generate the same tokens.
+
+Overhead: one 1-token job at a time through the HTTP API on the idle fleet (POST
+/v1/jobs, then GET ?wait= until it ends), its client round trip minus the engine's own
+time for it (the stored `started_at` .. `finished_at`, which the engine reports).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+import uuid
+from typing import Callable, Sequence
+
+import httpx
+import msgspec
+
+from kvfleet.contracts import JobRequest, JobResult, JobState, Priority, Sampling, decode_result, encode
+from kvfleet.kafka import make_producer
+from kvfleet.settings import EngineConfig, KafkaSettings
+
+GREEDY = Sampling(temperature=0.0)
+#: The short jobs of the issue: prompts of 16..128 tokens (byte tokenizer ids), one token out.
+PROMPT_LENS = (16, 128)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 256) for _ in range(rng.randint(*PROMPT_LENS))] for _ in range(n)]
+
+
+def engine_alone(model_source: str, jobs: Sequence[list[int]], max_new_tokens: int) -> dict:
+    """The same jobs on one engine in this process, every core for torch."""
+    import torch
+
+    from workers.engine import Engine
+    from workers.model.loader import load_model
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    loaded = load_model(model_source)
+    with Engine(loaded, EngineConfig()) as engine:
+        engine.generate("warm-up", jobs[0][:8], 2, GREEDY)
+        start = time.perf_counter()
+        handles = [engine.submit(f"j{i}", p, max_new_tokens, GREEDY) for i, p in enumerate(jobs)]
+        tokens = sum(len(h.result().tokens) for h in handles)
+        wall = time.perf_counter() - start
+    return {"jobs": len(jobs), "tokens": tokens, "wall_s": wall, "jobs_per_s": len(jobs) / wall,
+            "tokens_per_s": tokens / wall, "torch_threads": torch.get_num_threads()}
+
+
+class Results:
+    """Terminal results from the fleet's results topic, from its end when built."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+
+        self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
+                                      fetch_max_wait_ms=50)
+        partitions = self.consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        self.consumer.assign(tps)
+        self.consumer.seek_to_end(*tps)
+        for tp in tps:
+            self.consumer.position(tp)  # resolve the end now, before anything is produced
+
+    def collect(self, wanted: set[str], timeout_s: float, progress: Callable[[int], None]) -> dict[str, JobResult]:
+        got: dict[str, JobResult] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(wanted):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(wanted) - len(got)} of {len(wanted)} results missing after {timeout_s:.0f} s")
+            for records in self.consumer.poll(timeout_ms=200).values():
+                for record in records:
+                    result = decode_result(record.value)
+                    if result.job_id in wanted and result.job_id not in got:
+                        got[result.job_id] = result
+                        if len(got) % 500 == 0:
+                            progress(len(got))
+        return got
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, model: str,
+                  jobs: Sequence[list[int]], max_new_tokens: int, *, label: str) -> dict:
+    """Produce every job to Kafka at once; wait for every result on the results topic."""
+    results = Results(bootstrap, results_topic)
+    producer = make_producer(KafkaSettings(bootstrap=bootstrap), client_id="bench-fleet-jobs")
+    try:
+        now = time.time()
+        requests = [JobRequest(job_id=str(uuid.uuid4()), tenant=tenant, priority=Priority.NORMAL, model=model,
+                               max_new_tokens=max_new_tokens, submitted_at=now, prompt_tokens=p, sampling=GREEDY)
+                    for p in jobs]
+        payloads = [(r.job_id, encode(r)) for r in requests]
+        start = time.perf_counter()
+        for job_id, value in payloads:
+            producer.send(topic, key=tenant.encode(), value=value)
+        producer.flush(timeout=60)
+        produced = time.perf_counter() - start
+        got = results.collect({r.job_id for r in requests}, 600,
+                              lambda n: print(f"[bench] {label}: {n}/{len(requests)} results", flush=True))
+        wall = time.perf_counter() - start
+    finally:
+        producer.close(timeout=5)
+        results.close()
+    done = [r for r in got.values() if r.status is JobState.DONE]
+    tokens = sum(len(r.tokens) for r in done)
+    attempts = [r.attempt for r in done]
+    return {"jobs": len(requests), "done": len(done), "tokens": tokens, "wall_s": wall, "produce_s": produced,
+            "jobs_per_s": len(requests) / wall, "tokens_per_s": tokens / wall,
+            "runs_beyond_one": sum(max(0, a - 1) for a in attempts),
+            "not_done": sorted({r.status.value for r in got.values()} - {JobState.DONE.value})}
+
+
+def overhead(url: str, api_key: str, n: int, seed: int) -> dict:
+    """One 1-token job at a time on the idle fleet: client round trip, engine time, and the hops."""
+    rows = []
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+        for i, prompt in enumerate(prompts(n + 3, seed)):
+            began = time.time()
+            answer = client.post("/v1/jobs", json={"prompt_tokens": prompt, "max_new_tokens": 1})  # greedy
+            accepted = time.time()
+            answer.raise_for_status()
+            result = msgspec.convert(
+                client.get(f"/v1/jobs/{answer.json()['job_id']}", params={"wait": 30}).json(), JobResult)
+            seen = time.time()
+            assert result.status is JobState.DONE, result
+            t = result.timings
+            if i < 3:
+                continue  # warm-up: connections, code paths
+            rows.append({
+                "total (client)": seen - began,
+                "engine (started -> finished)": t.finished_at - t.started_at,
+                "POST -> 202 (API)": accepted - began,
+                "queued -> admitted (Kafka, scheduler)": t.admitted_at - t.queued_at,
+                "admitted -> started (Celery, worker)": t.started_at - t.admitted_at,
+                "finished -> client (long poll)": seen - t.finished_at,
+            })
+    median = {name: 1000 * statistics.median(r[name] for r in rows) for name in rows[0]}
+    over = [1000 * (r["total (client)"] - r["engine (started -> finished)"]) for r in rows]
+    return {"jobs": len(rows), "overhead_p50_ms": statistics.median(over),
+            "overhead_p90_ms": statistics.quantiles(over, n=10)[-1], "hops_median_ms": median}

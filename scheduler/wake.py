@@ -1,0 +1,51 @@
+"""What the scheduler waits on while jobs wait for budget: a finishing job's tokens.
+
+While the policy holds jobs it cannot place, only freed tokens (or a new worker) can
+change its decision. Polling the ledger at a fixed interval left a slot empty for up to
+that interval after every job (issue 16); instead the job store's `finish` publishes on
+`Keys.ledger_freed` whenever it releases a reservation, and `BudgetWake.wait` returns as
+soon as one arrives. The interval stays as the bound (new workers, reclaimed leases and
+new Kafka records are noticed within it), and a Redis error degrades to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+log = logging.getLogger("kvfleet.scheduler")
+
+
+class BudgetWake:
+    def __init__(self, client: redis.Redis, channel: str) -> None:
+        self.client = client
+        self.channel = channel
+        self._pubsub: redis.client.PubSub | None = None
+
+    def wait(self, timeout_s: float) -> int:
+        """Block until tokens are freed or `timeout_s` passed; the releases seen (0: none)."""
+        try:
+            if self._pubsub is None:
+                self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                self._pubsub.subscribe(self.channel)
+            seen = 0
+            message = self._pubsub.get_message(timeout=timeout_s)
+            while message is not None:  # every release since the last wait: one wake-up
+                seen += message["type"] == "message"
+                message = self._pubsub.get_message(timeout=0)
+            return seen
+        except redis.RedisError as exc:
+            log.warning("budget wake-up unavailable; waiting the interval", extra={"error": str(exc)})
+            self.close()
+            time.sleep(timeout_s)
+            return 0
+
+    def close(self) -> None:
+        if self._pubsub is not None:
+            try:
+                self._pubsub.close()
+            except redis.RedisError:
+                pass
+            self._pubsub = None
