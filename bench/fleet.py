@@ -341,7 +341,7 @@ def front_door(args: argparse.Namespace, infra: dict[str, str]) -> dict:
     api, base = at64["api"], at64["minimal"]
     version = subprocess.run([binary, "-v"], capture_output=True, text=True).stdout.split()[1]
     report = {
-        "machine": {"cores": os.cpu_count(), "shared": "other engineers' tests and benches ran meanwhile",
+        "machine": {"cores": os.cpu_count(),
                     "load_avg_1m_median": statistics.median(r["load_avg_1m"] for r in api + base)},
         "load_generator": f"wrk {version} (C), -t2 -c{CONNECTIONS}, {seconds} s a run",
         "api_processes": args.api_workers or len(os.sched_getaffinity(0)),
@@ -380,14 +380,14 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
     """Jobs through the fleet against the same jobs on one engine (bench/fleet_jobs.py),
     per output length, and one job's overhead on the idle fleet."""
     short_n = 1000 if args.quick else 2000
-    long_n = 150 if args.quick else 500
+    long_n = 100 if args.quick else 500
     lengths = (1, 128) if args.quick else OUTPUT_LENGTHS
     counts = {n: short_n if n == 1 else long_n if n == 128 else max(long_n, short_n // n) for n in lengths}
     engine = {}
     for n in lengths:  # before the fleet starts: nothing else runs on the machine
         engine[n] = fleet_jobs.engine_alone("builtin:tiny", fleet_jobs.prompts(counts[n], seed=n), n)
         print(f"[bench] engine alone, {counts[n]} jobs of {n} tokens: {engine[n]['jobs_per_s']:.0f} jobs/s "
-              f"{engine[n]['tokens_per_s']:.0f} tokens/s", flush=True)
+              f"{engine[n]['tokens_per_s']:.0f} tokens/s (best with {engine[n]['torch_threads']} torch threads)", flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-jobs-"))
     prefix = f"bj{uuid.uuid4().hex[:8]}"
     env = {"KVFLEET_TENANTS": json.dumps(TENANTS), "KVFLEET_MAX_BACKLOG_HIGH": NO_BACKLOG_BOUND,
@@ -403,6 +403,7 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         for _ in range(args.workers):
             fleet.start("worker")
         fleet.wait_ready(workers=args.workers)
+        pids = {**{name: proc.pid for name, proc in fleet.procs.items()}, **fleet_jobs.infra_pids(infra)}
         over = fleet_jobs.overhead(fleet.url, API_KEY, 15 if args.quick else 40, seed=99)
         print(f"[bench] overhead of one 1-token job on the idle fleet: p50 {over['overhead_p50_ms']:.1f} ms",
               flush=True)
@@ -410,7 +411,8 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
                                  fleet_jobs.prompts(50, seed=7), 1, label="warm-up")
         for n in lengths:
             run = fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",
-                                           fleet_jobs.prompts(counts[n], seed=n), n, label=f"{n}-token jobs")
+                                           fleet_jobs.prompts(counts[n], seed=n), n, label=f"{n}-token jobs",
+                                           pids=pids)
             fleet_runs[n] = run
             print(f"[bench] fleet, {counts[n]} jobs of {n} tokens: {run['jobs_per_s']:.0f} jobs/s "
                   f"{run['tokens_per_s']:.0f} tokens/s, {run['done']} done, {run['runs_beyond_one']} reruns "

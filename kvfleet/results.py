@@ -202,6 +202,7 @@ class ResultRelay:
                 topic, kind, headers = self.route(entry)
                 future = self.producer.send(topic, key=entry.job_id.encode(), value=entry.result, headers=headers)
                 sent.append((entry, kind, future))
+            self.producer.flush(timeout=PRODUCE_TIMEOUT_S)  # the batch goes now, without its linger
             done, error = [], None
             for entry, kind, future in sent:
                 try:

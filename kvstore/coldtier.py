@@ -405,6 +405,15 @@ class ColdTier:
             log.warning("could not repair cold-tier blobs", exc_info=True)  # the next reader retries
 
     # --- one prefill per prefix across the fleet -------------------------------------
+    def _prefix_lock(self, block_hashes: Sequence[BlockHash], first_missing: int) -> str:
+        return self.keys.lock(f"prefix:{self.namespace}:{hash_id(block_hashes[first_missing])}")
+
+    def prefix_waiters(self, block_hashes: Sequence[BlockHash], first_missing: int = 0) -> int:
+        """How many callers wait for the prefix that `ensure_prefix` builds now (they
+        listen on its lock's channel): a builder with none need not write its blocks."""
+        lock_key = self._prefix_lock(block_hashes, first_missing)
+        return int(dict(self._lock_client.pubsub_numsub(lock_key)).get(lock_key.encode(), 0))
+
     def ensure_prefix(self, block_hashes: Sequence[BlockHash], prefill: Callable[[], None], *,
                       first_missing: int = 0) -> PrefixSource:
         """Make sure a prefix's blocks are in the cold tier, prefilling them at most once fleet-wide.
@@ -420,7 +429,7 @@ class ColdTier:
         an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
         """
         first = self.key(block_hashes[first_missing])
-        lock_key = self.keys.lock(f"prefix:{self.namespace}:{hash_id(block_hashes[first_missing])}")
+        lock_key = self._prefix_lock(block_hashes, first_missing)
 
         def lookup() -> Union[Entry[PrefixSource], NoValueType]:
             # The builder writes from the first missing block on: that one key tells.

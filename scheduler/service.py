@@ -72,6 +72,9 @@ HEALTH_EVERY_S = 2.0
 #: seconds. A crash then re-reads at most this much of decided records, which intake
 #: recognises by their state. When the topics are quiet, commits go out at once.
 COMMIT_EVERY_S = 0.1
+#: The results relay sends a batch of results, then flushes: a linger lets the batch go
+#: as one request (and the flush ends it at once), not one request per result.
+RELAY_LINGER_MS = 5
 # kombu's OperationalError: the Celery broker (the state Redis) dropped mid-send.
 _FAILURES = (redis.RedisError, KafkaError, OSError, kombu.exceptions.OperationalError)
 
@@ -506,7 +509,8 @@ def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: 
         offsets = group_admin.list_group_offsets({settings.kafka.group: None}).get(settings.kafka.group, {})
         return {tp: o.offset for tp, o in offsets.items()}
 
-    relay = ResultRelay(client, keys, make_producer(settings.kafka, client_id=f"{client_id}-results"),
+    relay = ResultRelay(client, keys, make_producer(settings.kafka, client_id=f"{client_id}-results",
+                                                    linger_ms=RELAY_LINGER_MS),
                         KnownTopics(admin.list_topics, close=admin.close), results_topic=settings.kafka.results,
                         reserved_topics=[*settings.kafka.topics, settings.kafka.dlq], consumer=replica)
     return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"),

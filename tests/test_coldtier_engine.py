@@ -189,6 +189,56 @@ class _ThreadLog(redis.Redis):
         return super().pipeline(*args, **kwargs)
 
 
+def _service_worker(url: str, state_url: str, prefix: str, results, barrier, suffix: list[int]) -> None:
+    """One worker process's generate path as workers/service.py builds it
+    (PrefixSharingEngine): a builder's prefill is the job itself."""
+    torch.set_num_threads(1)
+    engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url, staged_only=True)
+    sharing = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4))
+    prompt = SHARED + suffix
+    barrier.wait()  # all processes ask at the same moment
+    tokens = sharing.generate("job", prompt, 8, Sampling()).tokens
+    results.put((engine.stats().prompt_tokens_computed, len(prompt), tokens))
+    engine.shutdown()
+    tier.close()
+
+
+def test_the_builder_of_a_shared_prefix_prefills_it_as_its_own_job(cache_redis_url, redis_url, prefix):
+    """Issue 16: the builder ran a one-token prefix request before its job; now the job
+    is the prefill, so the builder computes its prompt exactly once, and the others
+    only their own questions."""
+    suffixes = [[(i * 5 + k * 17) % 250 for i in range(40)] for k in range(3)]
+    ctx = mp.get_context("spawn")
+    results, barrier = ctx.Queue(), ctx.Barrier(len(suffixes))
+    procs = [ctx.Process(target=_service_worker, args=(cache_redis_url, redis_url, prefix, results, barrier, sfx))
+             for sfx in suffixes]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    computed = sorted(o[0] for o in outcomes)
+    length = len(SHARED) + 40
+    assert computed == [length - len(SHARED), length - len(SHARED), length]
+
+
+def test_a_prompt_nobody_waits_for_is_prefilled_once_and_not_written(cache_redis_url, redis_url, prefix):
+    """The common case: a long prompt no other request shares. Its builder is alone on
+    the flight's lock, so it writes nothing to the cold tier (spills of evicted blocks
+    still go there) and computes the prompt once."""
+    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, lock_url=redis_url, staged_only=True)
+    try:
+        sharing = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4))
+        out = sharing.generate("alone", PROMPT, 4, Sampling())
+        assert len(out.tokens) == 4 and engine.stats().prompt_tokens_computed == len(PROMPT)
+        assert list(redis.Redis.from_url(cache_redis_url).scan_iter(f"{prefix}:kv:*")) == []
+        assert redis.Redis.from_url(redis_url).exists(tier._prefix_lock(engine.block_manager.prefix_hashes(PROMPT),
+                                                                         0)) == 0  # released
+    finally:
+        engine.shutdown()
+        tier.close()
+
+
 def _spilled_prompt(cache_redis_url: str, prefix: str) -> None:
     _run_in_process(_spill_worker, cache_redis_url, prefix, Quant.NONE.value)
 

@@ -10,7 +10,15 @@ Before a job reaches the engine, in the job's own task thread (never the step th
    flight keyed on the first such block (kvstore.coldtier.ensure_prefix): requests that
    share a system prompt or a document meet on that key whatever they ask after it, so
    one worker prefills the shared blocks and writes them, the others wait and load
-   them, and each computes only its own suffix;
+   them, and each computes only its own suffix. The builder's prefill is the job
+   itself (`PrefixSharingEngine` hands `prepare` a way to submit it): the flight's lock
+   is held until the job's first token, and the blocks are copied out and written only
+   if someone waits for them (kvstore.ColdTier.prefix_waiters). A prompt nobody shares,
+   the common case, so costs the lock's round trips and nothing else (issue 16: a
+   separate one-token prefix run and a write per unique prompt cut a fleet's short
+   jobs by a third). A caller that starts waiting just after the builder looked finds
+   nothing written when the lock is released, takes the lock and prefills itself: at
+   worst twice, never once per caller;
 3. if blocks are cold, asks `FetchDecision` (kvstore/decision.py) whether loading them
    is sooner than recomputing them here, and if so fetches and validates them now,
    staged in host memory, for the engine's admission hook to copy in (no Redis on the
@@ -31,9 +39,12 @@ from typing import Callable, Optional, Sequence
 from kvfleet.contracts import Sampling
 from kvstore.coldtier import ColdTier, PrefixSource
 from kvstore.decision import FetchDecision
-from workers.engine import Engine
+from workers.engine import Engine, RequestHandle
 
 log = logging.getLogger("kvfleet.worker")
+
+#: How the prefix step submits the job itself: `submit(on_token)` -> its handle.
+Submit = Callable[[Callable[[int], None]], RequestHandle]
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,8 @@ class Prepared:
     source: Optional[PrefixSource] = None  # the single flight ran: built here, or found cold
     staged: list[str] = field(default_factory=list)  # hash ids prefetched for its admission
     decision: Optional[str] = None  # "load" | "recompute", when part of the prefix was cold
+    #: The job itself, when `prepare` submitted it as the flight's builder (`submit`).
+    handle: Optional[RequestHandle] = None
 
 
 class PrefixSharing:
@@ -57,11 +70,14 @@ class PrefixSharing:
             blob_bytes=tier.blob_nbytes, block_tokens=engine.block_manager.block_size,
             prefill_tokens_per_s=(lambda: prefill_tokens_per_s) if prefill_tokens_per_s > 0 else engine.tokens_per_s)
 
-    def prepare(self, job_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> Prepared:
+    def prepare(self, job_id: str, prompt: Sequence[int], cache_salt: str | None = None, *,
+                submit: Optional[Submit] = None) -> Prepared:
         """Make the prompt's prefix ready (see the module docstring); `staged` are to be
         `tier.unstage`d once the job is admitted. The hashes are those of the job's
         cache namespace, so the flight never tells a job that another tenant prefilled
-        the same prompt."""
+        the same prompt. With `submit`, a builder's prefill is the job itself:
+        `submit(on_token)` submits it, and `Prepared.handle` is its handle; without, the
+        builder prefills the prompt in a one-token run of its own first."""
         blocks = self.engine.block_manager
         hashes = blocks.prefix_hashes(prompt, cache_salt)
         # A hint read off the step thread (see BlockManager.cached_block_ids): blocks it
@@ -73,13 +89,19 @@ class PrefixSharing:
         covered = hot + cold
         source = None
         if len(hashes) - covered >= self.min_blocks:
-            source = self.tier.ensure_prefix(
-                hashes, lambda: self._prefill_and_store(job_id, prompt, hashes, cache_salt, cold_run=(hot, covered)),
-                first_missing=covered)
+            built: list[RequestHandle] = []
+
+            def build() -> None:
+                if submit is None:
+                    self._prefill_and_store(job_id, prompt, hashes, cache_salt, cold_run=(hot, covered))
+                else:
+                    built.append(self._run_and_store(submit, hashes, first_missing=covered, cold_run=(hot, covered)))
+
+            source = self.tier.ensure_prefix(hashes, build, first_missing=covered)
             log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes) - covered,
                                              "source": source.value})
             if source is PrefixSource.BUILT:
-                return Prepared(source)  # this worker computed it: hot now
+                return Prepared(source, handle=built[0] if built else None)  # computed here: hot now
             cold = self.tier.present_run(hashes[hot:])  # what the builder wrote
         if cold == 0:
             return Prepared(source)
@@ -99,6 +121,19 @@ class PrefixSharing:
         items = self.engine.call_soon(lambda: self._copy(hashes, cold_run)).result()
         self.tier.write(items)
 
+    def _run_and_store(self, submit: Submit, hashes: list[str], *, first_missing: int,
+                       cold_run: tuple[int, int]) -> RequestHandle:
+        """The builder's prefill, as the job itself: submit it, wait until its prompt is
+        computed (its first token, or its end), and write the blocks for whoever waits."""
+        computed = threading.Event()
+        handle = submit(lambda token: computed.set())  # on the step thread: O(1)
+        handle.add_done_callback(lambda _: computed.set())  # ended (or failed) before a token
+        computed.wait()
+        if self.tier.prefix_waiters(hashes, first_missing):
+            items = self.engine.call_soon(lambda: self._copy(hashes, cold_run)).result()
+            self.tier.write(items)
+        return handle
+
     def _copy(self, hashes: list[str], cold_run: tuple[int, int]) -> list:
         held = self.engine.block_manager.cached_block_ids(hashes)  # exact here: we are on the step thread
         keep = [i for i in range(len(held)) if not cold_run[0] <= i < cold_run[1]]  # the cold run is there already
@@ -116,10 +151,25 @@ class PrefixSharingEngine:
                  priority_rank: int = 1, stop: tuple[str, ...] = (), on_token: Callable[[int], None] | None = None,
                  cache_salt: str | None = None):
         staged: list[str] = []
+        submitted: list[RequestHandle] = []  # the job, if the prefix step submitted it (as the builder)
+
+        def submit(hook: Callable[[int], None]) -> RequestHandle:
+            def tokens(token: int) -> None:
+                hook(token)
+                if on_token is not None:
+                    on_token(token)
+
+            submitted.append(self.engine.submit(request_id, prompt_tokens, max_new_tokens, sampling,
+                                                priority_rank=priority_rank, stop=stop, on_token=tokens,
+                                                cache_salt=cache_salt))
+            return submitted[0]
+
         try:
-            staged = self.sharing.prepare(request_id, prompt_tokens, cache_salt).staged
+            staged = self.sharing.prepare(request_id, prompt_tokens, cache_salt, submit=submit).staged
         except Exception:  # noqa: BLE001 - the cold tier is an optimisation: never fail a job for it
             log.warning("shared-prefix step failed; prefilling locally", extra={"job_id": request_id}, exc_info=True)
+        if submitted:  # built here: the job runs already (whatever happened to the write after)
+            return submitted[0].result()
         release = _Once(lambda: self.sharing.tier.unstage(staged))
 
         def first_token(token: int) -> None:

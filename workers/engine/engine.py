@@ -56,6 +56,10 @@ class RequestHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    def add_done_callback(self, fn: Callable[["RequestHandle"], object]) -> None:
+        """Call `fn(self)` once the request has its result or its error (at once if it has)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
     def cancel(self) -> bool:
         return self._engine.cancel(self.request_id)
 
