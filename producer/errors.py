@@ -100,3 +100,9 @@ class QueueUnavailable(ApiError):
     """Kafka did not take the job; nothing will run."""
 
     status = 503
+
+
+class StoreUnavailable(ApiError):
+    """The state Redis failed before the job reached Kafka; nothing will run."""
+
+    status = 503

@@ -18,15 +18,19 @@ nothing else. `kvfleet_api_submit_step_seconds{step}` times each step.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
 
+import redis
 from prometheus_client import Counter, Histogram
 
 from kvfleet.contracts import JobRequest, JobResult
 from kvfleet.tenancy import Tenant
 from producer.context import ApiContext
-from producer.errors import Conflict
+from producer.errors import Conflict, StoreUnavailable
+
+log = logging.getLogger("kvfleet.api")
 
 SUBMITTED = Counter("kvfleet_api_jobs_submitted", "Jobs accepted onto Kafka", ["priority"])
 STEP = Histogram("kvfleet_api_submit_step_seconds",
@@ -42,20 +46,34 @@ async def submit(ctx: ApiContext, tenant: Tenant, job: JobRequest, *, client_id:
     resubmitted an id it used before (`client_id`: the id came from the client).
     Raises Refused / QueueUnavailable / Conflict (the id is another tenant's)."""
     started = time.perf_counter()
-    if client_id:
-        existing = await ctx.read(job.job_id)
-        if existing is not None:
-            if existing.tenant != tenant.name:
-                raise Conflict(f"job_id {job.job_id!r} is taken; choose another or leave job_id out",
-                               param="job_id")
-            return existing
-    await ctx.gate.check(tenant, job, output_field=output_field)
+    try:
+        if client_id:
+            existing = await ctx.read(job.job_id)
+            if existing is not None:
+                if existing.tenant != tenant.name:
+                    raise Conflict(f"job_id {job.job_id!r} is taken; choose another or leave job_id out",
+                                   param="job_id")
+                return existing
+        await ctx.gate.check(tenant, job, output_field=output_field)
+    except redis.RedisError as exc:
+        # Before the produce: nothing is on Kafka, so the client may simply retry.
+        log.error("job store unavailable", extra={"job_id": job.job_id, "error": str(exc)})
+        raise StoreUnavailable(f"the job store is unavailable ({exc}); nothing was queued: retry later with the "
+                               "same job_id", job_id=job.job_id) from exc
     admitted = time.perf_counter()
     ADMIT.observe(admitted - started)
     encoded = await ctx.publisher.publish(job)
     produced = time.perf_counter()
     PRODUCE.observe(produced - admitted)
-    created, _, owner = await ctx.records.create(job, encoded)
+    try:
+        created, _, owner = await ctx.records.create(job, encoded)
+    except redis.RedisError as exc:
+        # After the produce the job is on Kafka and will run: the scheduler records a job
+        # it finds without a state. So it is accepted, not refused (a retry would be
+        # recognised by its id, but a client without one would submit it twice).
+        log.warning("job queued on Kafka; its state is recorded by the scheduler",
+                    extra={"job_id": job.job_id, "error": str(exc)})
+        created, owner = True, tenant.name
     RECORD.observe(time.perf_counter() - produced)
     if not created and owner != tenant.name:  # another tenant's job took the id meanwhile
         raise Conflict(f"job_id {job.job_id!r} is taken; choose another or leave job_id out", param="job_id")
