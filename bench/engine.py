@@ -1,6 +1,6 @@
 """Engine throughput against the baseline a user would otherwise write, and prefix-cache TTFT.
 
-    python -m bench.engine [--quick] [--spec-only] [--threads N] [--device cpu|cuda]
+    python -m bench.engine [--quick] [--spec-only | --static-only] [--threads N] [--device cpu|cuda]
                            [--kernels auto|triton|torch] [--attention paged|sdpa] [--results DIR]
     (from the repository root)
 
@@ -24,6 +24,15 @@
    Each pair runs alternately, best of a few (other processes only ever slow a run).
    `--spec-only` runs just this part and merges its keys into an existing engine.json.
 
+4. Static batching, the strongest baseline a user has without a serving engine (issue
+   15): the engine with 32 requests in flight against generate() on static batches of 32
+   left-padded prompts, on the same 64 requests (prompts of 16-256 tokens, outputs of
+   64-256, uniform), in interleaved rounds, medians: `speedup_vs_hf_static_batch_at_32`,
+   in useful tokens/s (a static batch runs until its longest output ends; only each
+   request's own tokens count). Then both sides' tokens/s against their time per output
+   token as the concurrency (the batch) grows, 1, 8 and 32: the plot's third panel.
+   `--static-only` runs just this part and merges its keys into an existing engine.json.
+
 Peak RSS is sampled every 10 ms during each run. Results: a table on stdout,
 bench/results/engine.json and bench/results/engine.png.
 """
@@ -35,6 +44,7 @@ import dataclasses
 import json
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -98,12 +108,21 @@ def run_engine(loaded: LoadedModel, requests: list[Request], concurrency: int, b
         with PeakRss() as rss:
             start = time.perf_counter()
             handles = [engine.submit(f"r{i}", p, n, ignore_eos=True) for i, (p, n) in enumerate(requests)]
-            tokens = sum(len(h.result().tokens) for h in handles)
+            done = [h.result() for h in handles]
             wall = time.perf_counter() - start
         stats = engine.stats()
+    tokens = sum(len(c.tokens) for c in done)
+    # Time per output token after the first, each request's own: what its reader waits between tokens.
+    tpot = [(c.finished_at - c.first_token_at) / (len(c.tokens) - 1) for c in done if len(c.tokens) > 1]
     return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "peak_rss_mib": rss.mib, "max_batch_size": stats.max_batch_size,
-            "preemptions": stats.preemptions}
+            "preemptions": stats.preemptions, **_tpot_ms(tpot)}
+
+
+def _tpot_ms(tpot: list[float]) -> dict:
+    ordered = sorted(tpot)
+    return {"tpot_p50_ms": 1000 * statistics.median(ordered),
+            "tpot_p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
 
 
 def to_transformers(loaded: LoadedModel) -> transformers.LlamaForCausalLM:
@@ -133,6 +152,75 @@ def run_hf(model: transformers.LlamaForCausalLM, requests: list[Request]) -> dic
         wall = time.perf_counter() - start
     return {"requests": len(requests), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "peak_rss_mib": rss.mib}
+
+
+def run_hf_static(model: transformers.LlamaForCausalLM, requests: list[Request], batch: int) -> dict:
+    """generate() on static batches of `batch` left-padded prompts, in order: what a user
+    without a serving engine would write. Each batch runs until its longest output is
+    done (min_new_tokens = max_new_tokens = the longest), so only each request's own
+    output counts: tokens/s is useful tokens. Every request of a batch gets a token per
+    (batch time / its longest output): that is its TPOT here (the prefill included)."""
+    pad = model.config.pad_token_id
+    with PeakRss() as rss, torch.no_grad():
+        model.generate(torch.tensor([requests[0][0][:8]], device=model.device), max_new_tokens=2)  # warm-up
+        start = time.perf_counter()
+        useful, tpot = 0, []
+        for i in range(0, len(requests), batch):
+            chunk = requests[i:i + batch]
+            width, new = max(len(p) for p, _ in chunk), max(n for _, n in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, (prompt, _) in enumerate(chunk):
+                ids[row, width - len(prompt):] = torch.tensor(prompt)
+                mask[row, width - len(prompt):] = 1
+            began = time.perf_counter()
+            model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            tpot += [(time.perf_counter() - began) / new] * len(chunk)
+            useful += sum(n for _, n in chunk)
+        wall = time.perf_counter() - start
+    return {"batch": batch, "requests": len(requests), "useful_tokens": useful, "wall_s": wall,
+            "tokens_per_s": useful / wall, "peak_rss_mib": rss.mib, **_tpot_ms(tpot)}
+
+
+def static_section(loaded: LoadedModel, quick: bool, base: EngineConfig) -> dict:
+    """The engine at 32 in flight against generate() on static batches of 32, on the same
+    64 requests (prompts 16-256, outputs 64-256 tokens; 32 requests of 32-128 quick),
+    interleaved repetitions, medians; and both sides' tokens/s against TPOT as the
+    concurrency (the batch) grows."""
+    hf_model = to_transformers(loaded)
+    n, outputs, reps = (32, (32, 128), 2) if quick else (64, (64, 256), 3)
+    requests = workload(n, 64, (16, 256), outputs)
+    engine_runs, hf_runs = [], []
+    for rep in range(reps):  # interleaved, so that the machine's other load falls on both
+        engine_runs.append(run_engine(loaded, requests, 32, base))
+        hf_runs.append(run_hf_static(hf_model, requests, 32))
+        print(f"[bench] static batching, round {rep + 1}/{reps}: engine {engine_runs[-1]['tokens_per_s']:.0f}, "
+              f"generate() x32 {hf_runs[-1]['tokens_per_s']:.0f} useful tokens/s", flush=True)
+    engine_tps = statistics.median(r["tokens_per_s"] for r in engine_runs)
+    hf_tps = statistics.median(r["tokens_per_s"] for r in hf_runs)
+    curve_requests = workload(32 if quick else 64, 65, (16, 256), outputs)
+    curve = {"engine": [run_engine(loaded, curve_requests, c, base) for c in (1, 8, 32)],
+             "hf_static": [run_hf_static(hf_model, curve_requests[:8] if b == 1 else curve_requests, b)
+                           for b in (1, 8, 32)]}
+    return {"speedup_vs_hf_static_batch_at_32": engine_tps / hf_tps,
+            "static": {"requests": n, "prompt_lens": (16, 256), "output_lens": outputs, "repetitions": reps,
+                       "engine_tokens_per_s_median": engine_tps, "hf_static_tokens_per_s_median": hf_tps,
+                       "per_round_speedups": [e["tokens_per_s"] / h["tokens_per_s"]
+                                              for e, h in zip(engine_runs, hf_runs)],
+                       "engine": engine_runs, "hf_static": hf_runs, "curve": curve}}
+
+
+def print_static(static: dict) -> None:
+    st = static["static"]
+    print(f"\nengine at 32 vs generate() on static batches of 32 ({st['requests']} requests, outputs "
+          f"{st['output_lens'][0]}-{st['output_lens'][1]}, median of {st['repetitions']}): "
+          f"{st['engine_tokens_per_s_median']:.0f} vs {st['hf_static_tokens_per_s_median']:.0f} useful tokens/s = "
+          f"{static['speedup_vs_hf_static_batch_at_32']:.2f}x (target >= 2.0)")
+    print(f"{'side':<22}{'in flight':>10}{'tokens/s':>10}{'TPOT p50 ms':>13}{'TPOT p99 ms':>13}")
+    for side, key in (("engine", "concurrency"), ("hf_static", "batch")):
+        for r in st["curve"][side]:
+            print(f"{side:<22}{r[key]:>10}{r['tokens_per_s']:>10.0f}{r['tpot_p50_ms']:>13.1f}{r['tpot_p99_ms']:>13.1f}")
 
 
 def run_prefix(loaded: LoadedModel, n: int, prefix_len: int, cached: bool, base: EngineConfig) -> dict:
@@ -251,8 +339,22 @@ def print_spec(spec: dict) -> None:
               f"{r['speedup_cpu_time']:>10.2f}x{rate:>10}{r['tokens_per_seq_step']:>14.2f}")
 
 
-def plot(engine_runs: list[dict], hf: dict, prefix: list[dict], path: Path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+def plot(engine_runs: list[dict], hf: dict, prefix: list[dict], path: Path, *, static: dict | None = None) -> None:
+    curve = (static or {}).get("static", {}).get("curve")
+    fig, axes = plt.subplots(1, 3 if curve else 2, figsize=(16.5 if curve else 11, 4))
+    left, right = axes[0], axes[1]
+    if curve:
+        for side, label, key in (("engine", "kvfleet engine", "concurrency"),
+                                 ("hf_static", "generate(), static batches", "batch")):
+            runs = curve[side]
+            axes[2].plot([r["tpot_p50_ms"] for r in runs], [r["tokens_per_s"] for r in runs], "o-", label=f"{label} p50")
+            axes[2].plot([r["tpot_p99_ms"] for r in runs], [r["tokens_per_s"] for r in runs], "x--",
+                         label=f"{label} p99")
+            for r in runs:
+                axes[2].annotate(str(r[key]), (r["tpot_p50_ms"], r["tokens_per_s"]), fontsize=8)
+        axes[2].set(xscale="log", xlabel="time per output token (ms)", ylabel="useful tokens/s",
+                    title=f"vs static batches of 32: {static['speedup_vs_hf_static_batch_at_32']:.2f}x")
+        axes[2].legend(fontsize=8)
     xs = [r["concurrency"] for r in engine_runs]
     left.plot(xs, [r["tokens_per_s"] for r in engine_runs], "o-", label="kvfleet engine")
     left.axhline(hf["tokens_per_s"], color="gray", linestyle="--", label="transformers generate(), one at a time")
@@ -270,6 +372,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests, shorter outputs (about two minutes)")
     parser.add_argument("--spec-only", action="store_true",
                         help="only the speculative-decoding part; its keys are merged into engine.json")
+    parser.add_argument("--static-only", action="store_true",
+                        help="only the static-batching comparison; its keys are merged into engine.json")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, for both sides")
     parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
     env = Settings.from_env().engine  # KVFLEET_KERNELS / KVFLEET_ATTENTION, as a worker reads them
@@ -298,6 +402,20 @@ def main() -> None:
         return
 
     loaded = load_model("builtin:bench", device=args.device)
+    if args.static_only:
+        static = static_section(loaded, args.quick, base)
+        print_static(static)
+        path = args.results / "engine.json"
+        results = json.loads(path.read_text()) if path.exists() else {}
+        results.update(static)
+        results.setdefault("setup", {})["static_setup"] = {
+            "quick": args.quick, "threads": args.threads, "load_avg_before": load_before,
+            "load_avg_after": os.getloadavg(), "kernels": kernels.backend, "attention": kernels.attention}
+        args.results.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        plot(results["engine"], results["hf_generate"], results["prefix"], args.results / "engine.png",
+             static=results)
+        return
     prompt_lens, output_lens = (16, 256), ((32, 128) if args.quick else (64, 256))
     # Twice as many requests as slots (one at concurrency 1 aside): finished requests are
     # replaced mid-run, as in a steady stream, instead of the batch draining in one wave.
@@ -308,12 +426,14 @@ def main() -> None:
     prefix = [run_prefix(loaded, n_prefix, 1024, cached=False, base=base),
               run_prefix(loaded, n_prefix, 1024, cached=True, base=base)]
     spec = spec_section(args.quick, args.device, base)
+    static = static_section(loaded, args.quick, base)
 
     at_32 = next(r for r in engine_runs if r["concurrency"] == 32)
     results = {
         "speedup_vs_hf_at_32": at_32["tokens_per_s"] / hf["tokens_per_s"],
         "ttft_prefix_cached_over_uncached": prefix[1]["mean_ttft_s"] / prefix[0]["mean_ttft_s"],
         **{k: v for k, v in spec.items() if k != "spec"},
+        **static,
         "engine": engine_runs, "hf_generate": hf, "prefix": prefix, "spec": spec["spec"],
         "setup": {"quick": args.quick, "threads": args.threads, "cpus": os.cpu_count(),
                   "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
@@ -334,10 +454,11 @@ def main() -> None:
           f"cached/uncached TTFT: {results['ttft_prefix_cached_over_uncached']:.3f}; "
           f"load average {load_before[0]:.1f} -> {results['setup']['load_avg_after'][0]:.1f} on {os.cpu_count()} CPUs")
     print_spec(spec)
+    print_static(static)
 
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(engine_runs, hf, prefix, args.results / "engine.png")
+    plot(engine_runs, hf, prefix, args.results / "engine.png", static=results)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-import psutil  # noqa: E402
 import redis  # noqa: E402
 from kafka.admin import NewTopic  # noqa: E402
 
@@ -108,19 +107,7 @@ def ensure_wrk() -> str:
 
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of a process and all its children, seconds."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for proc in procs:
-        try:
-            times = proc.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return fleet_jobs.cpu_seconds({"server": pid}).get("server", 0.0)
 
 
 def wrk(binary: str, script: Path, url: str, *, connections: int, seconds: float, pid: int) -> dict:

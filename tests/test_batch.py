@@ -90,10 +90,11 @@ def test_a_batch_runs_every_line_once_with_the_online_answers(client, fleet):
     assert [o["custom_id"] for o in outputs] == [line["custom_id"] for line in lines], "output in input order"
     by_id = {o["custom_id"]: o for o in outputs}
     cached = [by_id[f"c-{i}"]["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(12)]
-    # The shared system prompt (142 byte tokens with BOS) is prefilled once: every line
-    # finds its full 16-token blocks cached, in the pool or through the fleet's prefix
-    # single flight, instead of prefilling it again.
-    assert min(cached) >= 128, cached
+    # The shared system prompt (142 byte tokens with BOS) is prefilled once: by the line
+    # that builds it for the fleet's prefix single flight, whose own job is the prefill
+    # (so it reports nothing cached), while every other line finds its full 16-token
+    # blocks cached, in the pool or loaded, instead of prefilling it again.
+    assert sum(c < 128 for c in cached) <= 1 and sorted(cached)[1] >= 128, cached
     for o in outputs:
         assert o["error"] is None and o["response"]["status_code"] == 200
         assert o["response"]["body"]["object"] == "text_completion"

@@ -137,10 +137,12 @@ def _sharing_worker(url: str, state_url: str, prefix: str, results, barrier, suf
     tier.close()
 
 
-def _share(cache_redis_url: str, redis_url: str, prefix: str, suffixes: list[list[int]]) -> list[tuple]:
+def _share(cache_redis_url: str, redis_url: str, prefix: str, suffixes: list[list[int]], *,
+           worker=None) -> list[tuple]:
+    """One process per suffix, running `worker` (default `_sharing_worker`); their outcomes."""
     ctx = mp.get_context("spawn")
     results, barrier = ctx.Queue(), ctx.Barrier(len(suffixes))
-    procs = [ctx.Process(target=_sharing_worker, args=(cache_redis_url, redis_url, prefix, results, barrier, sfx))
+    procs = [ctx.Process(target=worker or _sharing_worker, args=(cache_redis_url, redis_url, prefix, results, barrier, sfx))
              for sfx in suffixes]
     for p in procs:
         p.start()
@@ -208,15 +210,7 @@ def test_the_builder_of_a_shared_prefix_prefills_it_as_its_own_job(cache_redis_u
     is the prefill, so the builder computes its prompt exactly once, and the others
     only their own questions."""
     suffixes = [[(i * 5 + k * 17) % 250 for i in range(40)] for k in range(3)]
-    ctx = mp.get_context("spawn")
-    results, barrier = ctx.Queue(), ctx.Barrier(len(suffixes))
-    procs = [ctx.Process(target=_service_worker, args=(cache_redis_url, redis_url, prefix, results, barrier, sfx))
-             for sfx in suffixes]
-    for p in procs:
-        p.start()
-    outcomes = [results.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(30)
+    outcomes = _share(cache_redis_url, redis_url, prefix, suffixes, worker=_service_worker)
     computed = sorted(o[0] for o in outcomes)
     length = len(SHARED) + 40
     assert computed == [length - len(SHARED), length - len(SHARED), length]
