@@ -30,8 +30,17 @@ class BudgetWake:
             if self._pubsub is None:
                 self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
                 self._pubsub.subscribe(self.channel)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                remaining = max(0.0, deadline - time.monotonic())
+                # None on a timeout, and also at once for the subscription's confirmation
+                # (ignored): then wait out the rest.
+                message = self._pubsub.get_message(timeout=remaining)
+                if message is not None:
+                    break
+                if remaining <= 0:
+                    return 0
             seen = 0
-            message = self._pubsub.get_message(timeout=timeout_s)
             while message is not None:  # every release since the last wait: one wake-up
                 seen += message["type"] == "message"
                 message = self._pubsub.get_message(timeout=0)
