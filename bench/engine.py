@@ -388,31 +388,29 @@ def main() -> None:
 
     base = EngineConfig(kernels=args.kernels, attention=args.attention)
     kernels = ops.select(base.kernels, base.attention)  # what the engines below run
-    if args.spec_only:
-        spec = spec_section(args.quick, args.device, base)
-        print_spec(spec)
+    def merge(part: dict, setup_key: str) -> dict:
+        """One part's keys merged into the existing engine.json, with that run's setup."""
         path = args.results / "engine.json"
         results = json.loads(path.read_text()) if path.exists() else {}
-        results.update(spec)
-        results.setdefault("setup", {})["spec_setup"] = {
+        results.update(part)
+        results.setdefault("setup", {})[setup_key] = {
             "quick": args.quick, "threads": args.threads, "load_avg_before": load_before,
             "load_avg_after": os.getloadavg(), "kernels": kernels.backend, "attention": kernels.attention}
         args.results.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=2) + "\n")
+        return results
+
+    if args.spec_only:
+        spec = spec_section(args.quick, args.device, base)
+        print_spec(spec)
+        merge(spec, "spec_setup")
         return
 
     loaded = load_model("builtin:bench", device=args.device)
     if args.static_only:
         static = static_section(loaded, args.quick, base)
         print_static(static)
-        path = args.results / "engine.json"
-        results = json.loads(path.read_text()) if path.exists() else {}
-        results.update(static)
-        results.setdefault("setup", {})["static_setup"] = {
-            "quick": args.quick, "threads": args.threads, "load_avg_before": load_before,
-            "load_avg_after": os.getloadavg(), "kernels": kernels.backend, "attention": kernels.attention}
-        args.results.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
+        results = merge(static, "static_setup")
         plot(results["engine"], results["hf_generate"], results["prefix"], args.results / "engine.png",
              static=results)
         return
