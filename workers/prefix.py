@@ -54,8 +54,6 @@ class Prepared:
     source: Optional[PrefixSource] = None  # the single flight ran: built here, or found cold
     staged: list[str] = field(default_factory=list)  # hash ids prefetched for its admission
     decision: Optional[str] = None  # "load" | "recompute", when part of the prefix was cold
-    #: The job itself, when `prepare` submitted it as the flight's builder (`submit`).
-    handle: Optional[RequestHandle] = None
 
 
 class PrefixSharing:
@@ -76,7 +74,7 @@ class PrefixSharing:
         `tier.unstage`d once the job is admitted. The hashes are those of the job's
         cache namespace, so the flight never tells a job that another tenant prefilled
         the same prompt. With `submit`, a builder's prefill is the job itself:
-        `submit(on_token)` submits it, and `Prepared.handle` is its handle; without, the
+        `submit(on_token)` submits it (the caller keeps its handle); without, the
         builder prefills the prompt in a one-token run of its own first."""
         blocks = self.engine.block_manager
         hashes = blocks.prefix_hashes(prompt, cache_salt)
@@ -89,19 +87,17 @@ class PrefixSharing:
         covered = hot + cold
         source = None
         if len(hashes) - covered >= self.min_blocks:
-            built: list[RequestHandle] = []
-
             def build() -> None:
                 if submit is None:
                     self._prefill_and_store(job_id, prompt, hashes, cache_salt, cold_run=(hot, covered))
                 else:
-                    built.append(self._run_and_store(submit, hashes, first_missing=covered, cold_run=(hot, covered)))
+                    self._run_and_store(submit, hashes, first_missing=covered, cold_run=(hot, covered))
 
             source = self.tier.ensure_prefix(hashes, build, first_missing=covered)
             log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes) - covered,
                                              "source": source.value})
             if source is PrefixSource.BUILT:
-                return Prepared(source, handle=built[0] if built else None)  # computed here: hot now
+                return Prepared(source)  # computed here: hot now
             cold = self.tier.present_run(hashes[hot:])  # what the builder wrote
         if cold == 0:
             return Prepared(source)
@@ -122,7 +118,7 @@ class PrefixSharing:
         self.tier.write(items)
 
     def _run_and_store(self, submit: Submit, hashes: list[str], *, first_missing: int,
-                       cold_run: tuple[int, int]) -> RequestHandle:
+                       cold_run: tuple[int, int]) -> None:
         """The builder's prefill, as the job itself: submit it, wait until its prompt is
         computed (its first token, or its end), and write the blocks for whoever waits."""
         computed = threading.Event()
@@ -132,7 +128,6 @@ class PrefixSharing:
         if self.tier.prefix_waiters(hashes, first_missing):
             items = self.engine.call_soon(lambda: self._copy(hashes, cold_run)).result()
             self.tier.write(items)
-        return handle
 
     def _copy(self, hashes: list[str], cold_run: tuple[int, int]) -> list:
         held = self.engine.block_manager.cached_block_ids(hashes)  # exact here: we are on the step thread
