@@ -56,7 +56,7 @@ LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE = 32, 16, 8, 128, torch.float16  #
 FINGERPRINT = "bench-llama3-8b"
 BENCH_DB = 2
 PIPELINE_BATCH = 8  # the spill writer's batch, and plain SET's
-READ_CONNECTIONS = 4  # the cold tier's loads (ColdTier fetch_connections) and the raw ceiling's
+CONNECTIONS = 4  # the cold tier's loads and spills (ColdTier connections), and the raw ceiling's
 STAMPEDE_PROCESSES, STAMPEDE_THREADS = 4, 50
 STAMPEDE_PREFIX_BLOCKS, PREFILL_S = 2, 0.5
 GiB = 1 << 30
@@ -80,8 +80,10 @@ def median_s(samples: list[float]) -> float:
 # --- throughput ----------------------------------------------------------------------
 class RawSockets:
     """The ceiling: the same bytes over the same number of connections by the least a
-    client can do. Plain sockets, pipelined GET / SET, each GET reply read with
-    recv_into into a preallocated buffer; no validation, no pool, no copy into tensors."""
+    client can do. Plain blocking sockets, pipelined GET / SET, each GET reply read with
+    one recv_into(MSG_WAITALL) into a buffer of its own allocated once (a load keeps
+    every block it reads), each SET sent with one sendmsg of head, value and tail; no
+    validation, no pool, no copy into tensors."""
 
     def __init__(self, url: str, connections: int) -> None:
         import socket
@@ -94,6 +96,7 @@ class RawSockets:
             sock.sendall(f"*2\r\n$6\r\nSELECT\r\n${len(str(self.db))}\r\n{self.db}\r\n".encode())
             assert sock.recv(64).startswith(b"+OK")
         self.threads = ThreadPoolExecutor(connections)
+        self.buffers: dict[str, bytearray] = {}
 
     @staticmethod
     def _cmd(*parts: bytes) -> bytes:
@@ -104,14 +107,19 @@ class RawSockets:
         return [items[len(items) * i // n:len(items) * (i + 1) // n] for i in range(n)]
 
     def get(self, keys: list[str], value_bytes: int) -> None:
+        import socket
+
+        header = len(b"$%d\r\n" % value_bytes)
+        for k in keys:  # each value its own buffer, as a load keeps every block; made once
+            if len(self.buffers.get(k, b"")) != header + value_bytes + 2:
+                self.buffers[k] = bytearray(header + value_bytes + 2)
+
         def one(sock, chunk) -> None:
             sock.sendall(b"".join(self._cmd(b"GET", k.encode()) for k in chunk))
-            header = len(b"$%d\r\n" % value_bytes)
-            for _ in chunk:
-                buf = bytearray(header + value_bytes + 2)
-                view, pos = memoryview(buf), 0
-                while pos < len(buf):
-                    pos += sock.recv_into(view[pos:])
+            for k in chunk:
+                view, pos = memoryview(self.buffers[k]), 0
+                while pos < len(view):
+                    pos += sock.recv_into(view[pos:], len(view) - pos, socket.MSG_WAITALL)
         list(self.threads.map(one, self.socks, self._split(keys)))
 
     def set(self, keys: list[str], value: bytes) -> None:
@@ -147,7 +155,7 @@ def throughput(url: str, prefix: str, blocks: int, rounds: int, device: str) -> 
     ids = list(range(blocks))
     tiers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", src, spill_batch=PIPELINE_BATCH,
                          **{**TIER_OPTIONS, "quant": q, "spill_max_bytes": 4 * GiB}) for q in Quant}
-    readers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", dst, fetch_connections=READ_CONNECTIONS,
+    readers = {q: ColdTier(client, keys, f"{FINGERPRINT}-{q.value}", dst, connections=CONNECTIONS,
                            **TIER_OPTIONS) for q in Quant}
     blob_bytes = {}
     for q, tier in tiers.items():
@@ -187,7 +195,7 @@ def throughput(url: str, prefix: str, blocks: int, rounds: int, device: str) -> 
                 torch.cuda.synchronize()  # the copies into the pool are part of the load
         return run
 
-    raw = RawSockets(url, READ_CONNECTIONS)
+    raw = RawSockets(url, CONNECTIONS)
     ops = {"raw socket SET": lambda: raw.set(plain_keys, plain_value), "plain SET": plain_set,
            "cold spill fp16": spill(Quant.NONE), "cold spill int8": spill(Quant.INT8),
            "raw socket GET": lambda: raw.get(plain_keys, len(plain_value)), "plain MGET": plain_get,
@@ -496,16 +504,24 @@ def shared_prefix_prefills(url: str, state_url: str, requests_per_process: int) 
 
 
 # --- decode steps while cold prefixes arrive -------------------------------------------
-DECODE_SEQS, DECODE_TOKENS, ARRIVING, ARRIVING_PREFIX_TOKENS = 8, 160, 6, 1024
+DECODE_SEQS, DECODE_TOKENS, ARRIVING, ARRIVING_PREFIX_TOKENS = 8, 320, 12, 1024
+ARRIVAL_GAP_S = 0.1  # between arriving jobs: a worker busy with a stream of jobs, not one burst
 
 
-def decode_steps_with_cold_loads(url: str) -> dict:
+def decode_steps_with_cold_loads(url: str, arrival_gap_s: float = ARRIVAL_GAP_S) -> dict:
     """Decode step time (the gap between a decoding sequence's tokens) of DECODE_SEQS
-    sequences on the bench model, p99: alone, then while ARRIVING jobs whose 1,024-token
-    prefixes are in the cold tier join them, loaded the worker's way (prefetched in the
-    job's thread, copied in at admission) and the old way (MGET on the step thread).
-    The arriving jobs compute only their last block: what they add to a step is the
-    load, not a prefill."""
+    sequences on the bench model, p99, while ARRIVING jobs with 1,024-token prefixes
+    join them one every `arrival_gap_s`. The arriving jobs compute only their last,
+    partial block; their prefixes are:
+
+    - "hot": already in the engine's own pool (the baseline: the same arrivals, the
+      same suffix prefill, no cold load at all);
+    - "prefetched": in the cold tier, loaded the worker's way (fetched in the job's
+      thread, copied in at admission);
+    - "step thread": in the cold tier, loaded the old way (fetched on the step thread).
+
+    "alone" has no arrivals. The key is prefetched over hot: what cold loads add to a
+    running batch's steps, beyond the arrivals' own compute."""
     from kvfleet.contracts import Sampling
     from kvstore.hooks import ColdTierHooks
     from workers.engine import Engine, EngineConfig
@@ -533,6 +549,9 @@ def decode_steps_with_cold_loads(url: str) -> dict:
 
     def run(mode: str) -> list[float]:
         e, tier = make(mode != "step thread")
+        if mode == "hot":
+            for k, p in enumerate(prompts):
+                e.generate(f"h{k}", p, 1)  # the prefixes, computed into this engine's pool
         gaps: list[float] = []
         last: dict[int, float] = {}
 
@@ -547,11 +566,15 @@ def decode_steps_with_cold_loads(url: str) -> dict:
         handles = [e.submit(f"d{i}", [(i * 13 + j) % 256 for j in range(32)], DECODE_TOKENS, ignore_eos=True,
                             on_token=on_token(i)) for i in range(DECODE_SEQS)]
         if mode != "alone":
-            time.sleep(0.5)  # the batch is decoding
+            time.sleep(0.3)  # the batch is decoding
             generator = PrefixSharingEngine(e, PrefixSharing(e, tier, min_blocks=10**9, prefill_tokens_per_s=1.0))
-            threads = [threading.Thread(target=(generator.generate if mode == "prefetched" else e.generate),
-                                        args=(f"a{k}", p, 1) + ((Sampling(),) if mode == "prefetched" else ()))
-                       for k, p in enumerate(prompts)]
+            generate = e.generate if mode == "step thread" else (lambda *a: generator.generate(*a, Sampling()))
+
+            def arrive(k: int, p: list[int]) -> None:
+                time.sleep(k * arrival_gap_s)
+                generate(f"a{k}", p, 1)
+
+            threads = [threading.Thread(target=arrive, args=(k, p)) for k, p in enumerate(prompts)]
             [t.start() for t in threads]
             [t.join() for t in threads]
         [h.result() for h in handles]
@@ -560,7 +583,7 @@ def decode_steps_with_cold_loads(url: str) -> dict:
         return gaps
 
     try:
-        out = {mode: run(mode) for mode in ("alone", "prefetched", "step thread")}
+        out = {mode: run(mode) for mode in ("alone", "hot", "prefetched", "step thread")}
     finally:
         cleanup(redis.Redis.from_url(url), prefix)
 
@@ -568,8 +591,10 @@ def decode_steps_with_cold_loads(url: str) -> dict:
         return sorted(v)[int(len(v) * 0.99) - 1]
 
     res = {mode: {"p50_ms": statistics.median(g) * 1e3, "p99_ms": p99(g) * 1e3} for mode, g in out.items()}
-    return {"rows": res, "decode_step_p99_with_cold_loads_over_without": res["prefetched"]["p99_ms"] / res["alone"]["p99_ms"],
-            "decode_step_p99_step_thread_loads_over_without": res["step thread"]["p99_ms"] / res["alone"]["p99_ms"]}
+    return {"rows": res, "arrival_gap_s": arrival_gap_s,
+            "decode_step_p99_with_cold_loads_over_without": res["prefetched"]["p99_ms"] / res["hot"]["p99_ms"],
+            "decode_step_p99_step_thread_loads_over_without": res["step thread"]["p99_ms"] / res["hot"]["p99_ms"],
+            "decode_step_p99_with_arrivals_over_alone": res["hot"]["p99_ms"] / res["alone"]["p99_ms"]}
 
 
 # --- the result cache under a hot-key stream -------------------------------------------

@@ -1,9 +1,10 @@
 """The KV cold tier: full blocks of the engine's paged pool, kept in Redis.
 
     evict  (engine thread)  spill(hash, block_id): copy the block out of the pool into
-                            a wire buffer, queue it; a writer thread seals (quantize,
-                            header, crc32) and writes batches in pipelines
-    fetch  (task thread)    prefetch(hashes): one MGET for a job's missing prefix
+                            a wire buffer, queue it; a writer thread writes batches
+                            over a few connections, each sealing (quantize, header,
+                            crc32c) what it sends (kvstore/wire.py)
+    fetch  (task thread)    prefetch(hashes): pipelined GETs of a job's missing prefix
                             while the job waits, validated and staged in host memory
     admit  (engine thread)  load_staged(hashes, block_ids): the staged leading run
                             copied into the blocks the engine allocated for them; no
@@ -34,7 +35,6 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from enum import Enum
 from typing import Callable, Optional, Sequence, Union
 
@@ -54,9 +54,16 @@ from kvstore.expiry import DEFAULT_JITTER, jittered, physical_ttl_ms, xfetch_due
 from kvstore.lock import Lease
 from kvstore.singleflight import NO_VALUE, Entry, NoValueType, SingleFlight
 from kvstore.spill import SpillQueue
-from kvstore.wire import ParallelGet
+from kvstore.wire import Wire
 
 log = logging.getLogger(__name__)
+
+#: The most bytes of free read buffers a tier keeps for its next loads.
+READ_BUFFERS_BYTES = 256 << 20
+#: A load spreads over another connection per this many bytes: below it, the thread
+#: hand-off costs more than the parallel read gains (a 1,024-token prefix of the bench
+#: model is 4 MiB; of an 8B model, 128 MiB).
+BYTES_PER_CONNECTION = 8 << 20
 
 BlockHash = Union[int, str, bytes]
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (NB, BS, Hkv, D) each
@@ -119,7 +126,7 @@ class ColdTier:
         poll_s: float = 0.1,
         use_lock: bool = True,
         refresh_beta: float = 1.0,
-        fetch_connections: int = 4,
+        connections: int = 4,
     ) -> None:
         """`client` is the cache instance, from connect(). `kv_caches` is the
         engine's pool, one (k_cache, v_cache) pair per layer; blocks are copied out of
@@ -129,6 +136,7 @@ class ColdTier:
         their defaults and reasons are.
         lock_* / wait_timeout_s / poll_s / use_lock: the prefix build, see SingleFlight;
             wait_timeout_s should exceed the longest prefill of a shared prefix.
+        connections: how many connections a load, and a batch of spills, use at once.
         """
         self.client = client
         self.keys = keys
@@ -145,20 +153,30 @@ class ColdTier:
         self._touch = client.register_script(_TOUCH)
         # Enough free buffers for the batches in flight; more would only hold idle memory.
         self._buffers = BufferPool(self.codec.raw_nbytes, keep=4 * spill_batch)
+        # Loads read into reused buffers too (kvstore/wire.py says why), up to
+        # READ_BUFFERS_BYTES of them kept idle; a blob of another size gets a fresh one.
+        self._read_buffers = BufferPool(self.blob_nbytes, keep=max(4, READ_BUFFERS_BYTES // self.blob_nbytes))
         self.flight = SingleFlight(
             lock_client or client, name="kv_prefix", lock_ttl_s=lock_ttl_s,
             wait_timeout_s=wait_timeout_s, poll_s=poll_s, early_refresh_beta=0.0, use_lock=use_lock,
         )
         self._lock_client = lock_client or client
-        #: Loads read over this many connections at once, validating as they read
-        #: (kvstore/wire.py): redis-py's MGET parser moved about half of what the socket can.
-        self._reader = ParallelGet(client, fetch_connections)
+        #: Loads and spills go over this many connections at once, validating (or
+        #: sealing) as they go (kvstore/wire.py): redis-py's own parser and packer
+        #: moved about a third of what the socket can. Two of them, so that a batch of
+        #: spills never queues a job's load behind it.
+        self._reader = Wire(client, connections)
+        self._writer = Wire(client, connections)
+        #: One fetch at a time per worker. Fetches running at once fight over the GIL
+        #: with each other and with the engine's step thread, which takes it back at
+        #: every torch op: six jobs' concurrent fetches stalled decoding for 79 ms, where
+        #: one after another they took 22 ms in all.
+        self._fetching = threading.Lock()
         #: XFetch's β for the early refresh of popular prefixes (kvstore/expiry.py).
         self.refresh_beta = refresh_beta
         # Blobs prefetched for jobs about to be admitted: hash -> [blob, jobs using it].
         self._staged: dict[str, list] = {}
         self._staged_lock = threading.Lock()
-        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
         self.spill_queue: SpillQueue[tuple[str, bytearray]] = SpillQueue(
             self._write_batch, max_bytes=spill_max_bytes, max_batch=spill_batch, name="kv-spill"
         )
@@ -203,8 +221,8 @@ class ColdTier:
 
     def close(self) -> None:
         self.spill_queue.close()
-        self._sealer.shutdown()
         self._reader.close()
+        self._writer.close()
 
     def _copy_out(self, block_id: int) -> bytearray:
         buf = self._buffers.take()
@@ -218,39 +236,27 @@ class ColdTier:
             kv.copy_(torch.stack(parts).view(kv.shape))  # gather on the device, then one device → host copy
         return buf
 
-    def _seal(self, block: str, buf: bytearray) -> tuple[str, bytearray, int]:
+    def _seal(self, item: tuple[str, bytearray]) -> tuple[str, bytearray, int]:
+        block, buf = item
         logical_s = jittered(self.ttl_s, self.jitter)
         blob = self.codec.seal(buf, block, time.time() + logical_s)
         return self.keys.kv_block(self.namespace, block), blob, physical_ttl_ms(logical_s, self.grace_s)
 
     def _write_batch(self, items: list[tuple[str, bytearray]], *, raise_errors: bool = False) -> None:
-        """Seal and SET a batch (the spill thread, or write()).
-
-        Blobs are sealed on the sealer thread while this one sends those already sealed:
-        block i+1's crc32 (or quantization) overlaps block i's socket write, and both
-        release the GIL. Each send takes every blob ready by then: one pipelined round
-        trip for all of them.
-        """
-        sealing = [self._sealer.submit(self._seal, block, buf) for block, buf in items]
-        sent = 0
+        """Seal and SET a batch (the spill thread, or write()): spread over the writer's
+        connections, each sealing its blobs as it sends them, so one block's crc32c
+        (or quantization) overlaps another's socket write; both release the GIL."""
         try:
-            while sent < len(sealing):
-                ready = [sealing[sent].result()]
-                ready += [f.result() for f in itertools.takewhile(Future.done, sealing[sent + 1:])]
-                pipe = self.client.pipeline(transaction=False)
-                for key, blob, px in ready:
-                    pipe.set(key, memoryview(blob), px=px)  # memoryview: sent as is, not joined into a copy
-                pipe.execute()
-                sent += len(ready)
-                metrics.KV_SPILLED_BLOCKS.inc(len(ready))
-                metrics.KV_SPILLED_BYTES.inc(sum(len(blob) for _, blob, _ in ready))
+            self._writer.set_many(items, self._seal)
+            metrics.KV_SPILLED_BLOCKS.inc(len(items))
+            metrics.KV_SPILLED_BYTES.inc(len(items) * self.blob_nbytes)
         except redis.RedisError:
-            metrics.KV_SPILL_DROPPED.labels("error").inc(len(items) - sent)
+            # Some may have been written; none is known to be, so all count as dropped.
+            metrics.KV_SPILL_DROPPED.labels("error").inc(len(items))
             if raise_errors:
                 raise
-            log.warning("spill batch failed; blocks dropped", extra={"blocks": len(items) - sent}, exc_info=True)
+            log.warning("spill batch failed; blocks dropped", extra={"blocks": len(items)}, exc_info=True)
         finally:
-            wait(sealing)  # after a failed send some may still be sealing into their buffer
             for _, buf in items:
                 self._buffers.give(buf)  # sent (or dropped): safe to overwrite
 
@@ -263,32 +269,40 @@ class ColdTier:
         Invalid blobs are deleted (a miss, never loaded). A run past its logical expiry
         (or, by XFetch, close to it, `rebuild_s` being what a miss would cost) is still
         returned, and extended by one reader only (`_refresh`).
+
+        The blobs' buffers are the tier's to reuse: `release` them once copied in.
         """
         if not block_hashes:
             return []
         ids = [hash_id(h) for h in block_hashes]
         keys = [self.keys.kv_block(self.namespace, i) for i in ids]
 
-        def check(i: int, raw: Optional[bytearray]) -> Union[KVBlob, BlobError, None]:
-            # In the reading thread: block i's crc32 runs while the next block arrives.
+        def check(i: int, raw: Optional[bytearray]) -> tuple[Optional[bytearray], Union[KVBlob, BlobError, None]]:
+            # In the reading thread: block i's crc32c runs while the next block arrives.
             if raw is None:
-                return None
+                return None, None
             try:
-                return self.codec.open(raw, ids[i])
+                return raw, self.codec.open(raw, ids[i])
             except BlobError as exc:
-                return exc
+                return raw, exc
 
         blobs: list[KVBlob] = []
         rejected: list[str] = []
-        for key, found in zip(keys, self._reader.get_many(keys, check)):
-            if found is None:
+        with self._fetching:
+            found = self._reader.get_many(keys, check, take=self._take_read_buffer,
+                                          connections=len(keys) * self.blob_nbytes // BYTES_PER_CONNECTION)
+        for key, (_, blob) in zip(keys, found):
+            if blob is None:
                 break
-            if isinstance(found, BlobError):
-                metrics.KV_REJECTED.labels(found.reason).inc()
-                log.warning("rejected a cold-tier blob; deleting it", extra={"key": key, "reason": str(found)})
+            if isinstance(blob, BlobError):
+                metrics.KV_REJECTED.labels(blob.reason).inc()
+                log.warning("rejected a cold-tier blob; deleting it", extra={"key": key, "reason": str(blob)})
                 rejected.append(key)
                 break
-            blobs.append(found)
+            blobs.append(blob)
+        for raw, _ in found[len(blobs):]:  # after a hole, or rejected: never loaded
+            if raw is not None:
+                self._read_buffers.give(raw)
         refresh: list[str] = []
         if blobs:
             now, expires_at = time.time(), min(blob.expires_at for blob in blobs)
@@ -299,6 +313,15 @@ class ColdTier:
         metrics.KV_LOOKUP_BLOCKS.labels("miss").inc(len(ids) - len(blobs))
         metrics.KV_LOADED_BYTES.inc(sum(blob.nbytes for blob in blobs))
         return blobs
+
+    def _take_read_buffer(self, nbytes: int) -> bytearray:
+        return self._read_buffers.take() if nbytes == self._read_buffers.nbytes else bytearray(nbytes)
+
+    def release(self, blobs: Sequence[KVBlob]) -> None:
+        """Hand fetched blobs' buffers back for reuse: nothing may read them after."""
+        for blob in blobs:
+            if isinstance(blob.buf, bytearray):
+                self._read_buffers.give(blob.buf)
 
     def _refresh(self, last_block: str, keys: list[str]) -> list[str]:
         """The keys to extend, if this reader is the one to do it: a short lease per
@@ -335,38 +358,55 @@ class ColdTier:
         and the bytes fetched."""
         blobs = self.fetch(block_hashes, rebuild_s=rebuild_s)
         ids = [hash_id(h) for h in block_hashes[:len(blobs)]]
+        duplicates = []
         with self._staged_lock:
             for block, blob in zip(ids, blobs):
                 entry = self._staged.setdefault(block, [blob, 0])
                 entry[1] += 1
+                if entry[0] is not blob:  # staged by another job already: one copy is enough
+                    duplicates.append(blob)
+        self.release(duplicates)
         return ids, sum(blob.nbytes for blob in blobs)
 
     def unstage(self, ids: Sequence[str]) -> None:
+        """Drop one use of each staged block; the last use frees its buffer for reuse."""
+        freed = []
         with self._staged_lock:
             for block in ids:
                 entry = self._staged.get(block)
                 if entry is not None:
                     entry[1] -= 1
                     if entry[1] <= 0:
-                        del self._staged[block]
+                        freed.append(self._staged.pop(block)[0])
+        self.release(freed)
 
     def load_staged(self, block_hashes: Sequence[BlockHash], block_ids: Callable[[int], Sequence[int]]) -> int:
         """Like `load`, from what `prefetch` staged only: memory copies, no Redis."""
         started = time.perf_counter()
         with self._staged_lock:
-            blobs = [e[0] for e in itertools.takewhile(bool, (self._staged.get(hash_id(h)) for h in block_hashes))]
-        if blobs:
-            self.copy_in(blobs, block_ids(len(blobs)))
-            metrics.KV_LOAD_SECONDS.observe(time.perf_counter() - started)
-        return len(blobs)
+            entries = list(itertools.takewhile(bool, (self._staged.get(hash_id(h)) for h in block_hashes)))
+            held = [hash_id(h) for h in block_hashes[:len(entries)]]
+            for entry in entries:  # a use of our own while copying: another job's unstage cannot free them
+                entry[1] += 1
+        try:
+            if entries:
+                self.copy_in([e[0] for e in entries], block_ids(len(entries)))
+                metrics.KV_LOAD_SECONDS.observe(time.perf_counter() - started)
+        finally:
+            self.unstage(held)
+        return len(entries)
 
     def copy_in(self, blobs: Sequence[KVBlob], block_ids: Sequence[int]) -> None:
-        """Copy each blob into its block of the pool."""
+        """Copy each blob into its block of the pool, all in one op: 2L copies a block,
+        which one at a time cost more in dispatch (and GIL hand-offs) than in bytes."""
+        device = self.kv_caches[0][0].device
+        caches = [cache for pair in self.kv_caches for cache in pair]  # 2L × (NB, BS, Hkv, D), K before V
+        dst, src = [], []
         for blob, block_id in zip(blobs, block_ids, strict=True):
-            kv = blob.tensor(self.kv_caches[0][0].device)  # (L, 2, BS, Hkv, D)
-            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-                k_cache[block_id].copy_(kv[layer, 0])
-                v_cache[block_id].copy_(kv[layer, 1])
+            kv = blob.tensor(device)  # (L, 2, BS, Hkv, D)
+            src.extend(kv.view(-1, *kv.shape[2:]).unbind(0))  # 2L × (BS, Hkv, D), K before V
+            dst.extend(cache[block_id] for cache in caches)
+        torch._foreach_copy_(dst, src)  # the private name is the one torch has (optimizers use it)
 
     def load(self, block_hashes: Sequence[BlockHash], block_ids: Callable[[int], Sequence[int]]) -> int:
         """Fill the leading blocks of a prefix from the cold tier; how many were filled.
@@ -378,8 +418,11 @@ class ColdTier:
         """
         started = time.perf_counter()
         blobs = self.fetch(block_hashes)
-        if blobs:
-            self.copy_in(blobs, block_ids(len(blobs)))
+        try:
+            if blobs:
+                self.copy_in(blobs, block_ids(len(blobs)))
+        finally:
+            self.release(blobs)
         metrics.KV_LOAD_SECONDS.observe(time.perf_counter() - started)
         return len(blobs)
 

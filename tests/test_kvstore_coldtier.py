@@ -108,6 +108,47 @@ def test_load_returns_the_longest_leading_run(make_tier):
     assert tier.load(HASHES[2:4], lambda n: pytest.fail("nothing to allocate")) == 0
 
 
+def test_loads_read_into_reused_buffers_and_each_block_lands_where_it_belongs(make_tier):
+    """Every load reads into the buffers the last one handed back (a fresh 2 MiB buffer
+    costs page faults and zeroing with the GIL held), and what is left of a read after a
+    hole goes back too; reuse never mixes blocks up."""
+    src = make_pool(seed=3)
+    writer = make_tier(src)
+    store(writer, [HASHES[0], HASHES[1], HASHES[3]], [0, 1, 3])  # HASHES[2] missing
+    dst = make_pool(zeros=True)
+    reader = make_tier(dst, connections=2)
+    assert reader.load(HASHES[:4], lambda n: [4, 5][:n]) == 2  # read 3 values; the one after the hole is not used
+    free = {id(b) for b in reader._read_buffers._free}
+    assert len(free) == 3
+    blobs = reader.fetch(HASHES[:2])
+    assert {id(b.buf) for b in blobs} <= free  # the same buffers, read again
+    reader.release(blobs)
+    for a, b in [(0, 6), (1, 7), (0, 4), (1, 5)]:  # two more loads through the reused buffers
+        assert reader.load([HASHES[a]], lambda n: [b]) == 1
+    for a, b in [(0, 6), (1, 7), (0, 4), (1, 5)]:
+        assert torch.equal(block_of(dst, b), block_of(src, a))
+
+
+def test_a_block_staged_by_two_jobs_stays_until_both_are_done_and_admission_takes_a_use(make_tier):
+    src = make_pool(seed=4)
+    store(make_tier(src), HASHES[:2], [0, 1])
+    dst = make_pool(zeros=True)
+    tier = make_tier(dst)
+    a, _ = tier.prefetch(HASHES[:2])
+    b, _ = tier.prefetch(HASHES[:1])
+    assert tier._staged[HASHES[0]][1] == 2 and tier._staged[HASHES[1]][1] == 1
+    assert len(tier._read_buffers._free) == 1  # b's copy of HASHES[0]: one staged copy is enough
+    assert tier.load_staged(HASHES[:2], lambda n: [2, 3][:n]) == 2
+    assert tier._staged[HASHES[0]][1] == 2  # the admission's own use is given back
+    tier.unstage(a)
+    assert list(tier._staged) == [HASHES[0]]  # b still holds it
+    assert tier.load_staged(HASHES[:2], lambda n: [4, 5][:n]) == 1
+    tier.unstage(b)
+    assert tier._staged == {} and len(tier._read_buffers._free) == 3  # the last use freed the buffers
+    for got, want in [(2, 0), (3, 1), (4, 0)]:
+        assert torch.equal(block_of(dst, got), block_of(src, want))
+
+
 def test_workers_of_another_dtype_keep_apart_instead_of_deleting_each_others_blobs(make_tier, cache_client):
     """Issue 14: the key named the model only, so an fp32 worker rejected (and deleted)
     a bf16 worker's blobs for the same prefix, and the other way round: a thrash."""
