@@ -471,13 +471,15 @@ class ColdTier:
         the blocks are in Redis, load them (a load that still comes up short, e.g. after
         an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
         """
-        first = self.key(block_hashes[first_missing])
+        built = [self.key(h) for h in block_hashes[first_missing:]]
         lock_key = self._prefix_lock(block_hashes, first_missing)
 
         def lookup() -> Union[Entry[PrefixSource], NoValueType]:
-            # The builder writes from the first missing block on: that one key tells.
-            # One EXISTS, no blob bytes; the blocks' own expiry is fetch()'s business.
-            return Entry(PrefixSource.COLD, math.inf) if self.client.exists(first) else NO_VALUE
+            # The builder writes every block from the first missing one on, over several
+            # connections in no set order: all of them, not the first, tell that it is
+            # done (one EXISTS of them all, no blob bytes). Checking the first let a
+            # caller arriving mid-write load a prefix that was not all there yet.
+            return Entry(PrefixSource.COLD, math.inf) if self.client.exists(*built) == len(built) else NO_VALUE
 
         def build() -> PrefixSource:
             prefill()

@@ -304,6 +304,19 @@ def test_ensure_prefix_prefills_once_across_workers(make_tier, cache_client, pre
     assert sorted(results) == sorted([PrefixSource.BUILT] + [PrefixSource.COLD] * 5)
 
 
+def test_a_caller_arriving_mid_write_does_not_take_a_half_written_prefix_as_done(make_tier):
+    """The builder's blocks land over several connections in no set order: with only its
+    first block written, a newcomer's lookup must not call the prefix cold (it used to,
+    then loaded one block and lost the rest), and once all are written it must."""
+    builder_pool = make_pool(seed=5)
+    store(make_tier(builder_pool), HASHES[:1], [0])  # mid-write: block 0 of 3 is there
+    tier = make_tier(make_pool(zeros=True))
+    prefills = []
+    assert tier.ensure_prefix(HASHES[:3], lambda: prefills.append(1)) is PrefixSource.BUILT and prefills == [1]
+    store(make_tier(builder_pool), HASHES[1:3], [1, 2])
+    assert tier.ensure_prefix(HASHES[:3], lambda: pytest.fail("all three are there")) is PrefixSource.COLD
+
+
 def test_ensure_prefix_without_the_lock_prefills_everywhere(make_tier):
     prefills = []
     everyone = threading.Barrier(4)
