@@ -177,6 +177,10 @@ class ColdTier:
         # Blobs prefetched for jobs about to be admitted: hash -> [blob, jobs using it].
         self._staged: dict[str, list] = {}
         self._staged_lock = threading.Lock()
+        # The first missing block of each prefix ensure_prefix is building here: the
+        # key its waiters look for, so write() stores it after the rest.
+        self._building: dict[str, int] = {}
+        self._building_lock = threading.Lock()
         self.spill_queue: SpillQueue[tuple[str, bytearray]] = SpillQueue(
             self._write_batch, max_bytes=spill_max_bytes, max_batch=spill_batch, name="kv-spill"
         )
@@ -210,10 +214,19 @@ class ColdTier:
         return [(hash_id(h), self._copy_out(b)) for h, b in zip(block_hashes, block_ids)]
 
     def write(self, items: list[tuple[str, bytearray]]) -> None:
-        """Write copied-out blocks now, in this thread, in one pipeline; raises if Redis
-        fails. For a prefill whose waiters load the blocks the moment it returns (see
-        ensure_prefix)."""
-        self._write_batch(items, raise_errors=True)
+        """Write copied-out blocks now, in this thread; raises if Redis fails. For a
+        prefill whose waiters load the blocks the moment it returns (see ensure_prefix).
+
+        A block that marks a prefix this tier is building goes last, once the others
+        are stored: the blocks go over several connections in no set order, and a
+        caller arriving mid-write that saw the marker would load a partial prefix."""
+        with self._building_lock:
+            markers = set(self._building)
+        rest = [item for item in items if item[0] not in markers]
+        last = [item for item in items if item[0] in markers]
+        for part in (rest, last):
+            if part:
+                self._write_batch(part, raise_errors=True)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait for queued spills to be written; False on timeout."""
@@ -471,18 +484,26 @@ class ColdTier:
         the blocks are in Redis, load them (a load that still comes up short, e.g. after
         an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
         """
-        built = [self.key(h) for h in block_hashes[first_missing:]]
+        marker = hash_id(block_hashes[first_missing])
+        first = self.key(marker)
         lock_key = self._prefix_lock(block_hashes, first_missing)
 
         def lookup() -> Union[Entry[PrefixSource], NoValueType]:
-            # The builder writes every block from the first missing one on, over several
-            # connections in no set order: all of them, not the first, tell that it is
-            # done (one EXISTS of them all, no blob bytes). Checking the first let a
-            # caller arriving mid-write load a prefix that was not all there yet.
-            return Entry(PrefixSource.COLD, math.inf) if self.client.exists(*built) == len(built) else NO_VALUE
+            # The builder writes its blocks from the first missing one on, that one last
+            # (write() holds it back): so that one key tells the rest are there too.
+            # One EXISTS, no blob bytes; the blocks' own expiry is fetch()'s business.
+            return Entry(PrefixSource.COLD, math.inf) if self.client.exists(first) else NO_VALUE
 
         def build() -> PrefixSource:
-            prefill()
+            with self._building_lock:
+                self._building[marker] = self._building.get(marker, 0) + 1
+            try:
+                prefill()
+            finally:
+                with self._building_lock:
+                    self._building[marker] -= 1
+                    if not self._building[marker]:
+                        del self._building[marker]
             return PrefixSource.BUILT
 
         return self.flight.run(lock_key, lookup, build)

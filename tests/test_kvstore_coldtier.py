@@ -304,17 +304,42 @@ def test_ensure_prefix_prefills_once_across_workers(make_tier, cache_client, pre
     assert sorted(results) == sorted([PrefixSource.BUILT] + [PrefixSource.COLD] * 5)
 
 
-def test_a_caller_arriving_mid_write_does_not_take_a_half_written_prefix_as_done(make_tier):
-    """The builder's blocks land over several connections in no set order: with only its
-    first block written, a newcomer's lookup must not call the prefix cold (it used to,
-    then loaded one block and lost the rest), and once all are written it must."""
+def test_the_builder_stores_the_block_its_waiters_look_for_after_the_others(make_tier, cache_redis_url):
+    """The builder's blocks go over several connections in no set order; a newcomer that
+    looks while they land must not see the prefix's marker (its first missing block)
+    before the rest are stored, or it loads a partial prefix (the stampede bench
+    loaded 1 of 2 blocks this way)."""
+    import redis as redis_lib
+
     builder_pool = make_pool(seed=5)
-    store(make_tier(builder_pool), HASHES[:1], [0])  # mid-write: block 0 of 3 is there
-    tier = make_tier(make_pool(zeros=True))
-    prefills = []
-    assert tier.ensure_prefix(HASHES[:3], lambda: prefills.append(1)) is PrefixSource.BUILT and prefills == [1]
-    store(make_tier(builder_pool), HASHES[1:3], [1, 2])
-    assert tier.ensure_prefix(HASHES[:3], lambda: pytest.fail("all three are there")) is PrefixSource.COLD
+    tier = make_tier(builder_pool, connections=4)
+    prefills, order = [], []
+    monitor_client = redis_lib.Redis.from_url(cache_redis_url)
+    watching = threading.Event()
+
+    def watch() -> None:
+        with monitor_client.monitor() as m:
+            watching.set()
+            for command in m.listen():
+                words = command["command"].split()
+                if words[0] == "SET" and words[1].strip('"').startswith(tier.key("")):  # blocks, not the lock
+                    order.append(words[1].strip('"'))
+                if len(order) == 5:
+                    return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert watching.wait(TIMEOUT_S)
+
+    def prefill() -> None:
+        prefills.append(1)
+        tier.write(tier.copy_out(HASHES[:5], [0, 1, 2, 3, 4]))  # block 0 is hot: the build is from block 1 on
+
+    assert tier.ensure_prefix(HASHES[:5], prefill, first_missing=1) is PrefixSource.BUILT and prefills == [1]
+    watcher.join(TIMEOUT_S)
+    assert sorted(order) == sorted(tier.key(h) for h in HASHES[:5]), order
+    assert order[-1] == tier.key(HASHES[1])  # the marker last, after 0, 2, 3 and 4
+    assert tier._building == {}
 
 
 def test_ensure_prefix_without_the_lock_prefills_everywhere(make_tier):
