@@ -35,6 +35,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Optional, Sequence, Union
 
@@ -77,6 +78,23 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return 0
 """
+
+
+@dataclass
+class _Staged:
+    """A prefetched block, ready to copy in: its 2L tensors (K before V) on the pool's
+    device, in its dtype, and the read buffer they view, held until the last job that
+    staged it is admitted (None when they are a copy: GPU pools, INT8 blobs)."""
+
+    blocks: list[torch.Tensor]  # 2L × (BS, Hkv, D)
+    blob: Optional[KVBlob]
+    uses: int = 0
+
+    @classmethod
+    def of(cls, blob: KVBlob, device: torch.device) -> "_Staged":
+        kv = blob.tensor(device)  # (L, 2, BS, Hkv, D)
+        views_buffer = device.type == "cpu" and blob.quant is Quant.NONE
+        return cls(list(kv.view(-1, *kv.shape[2:]).unbind(0)), blob if views_buffer else None)
 
 
 class PrefixSource(str, Enum):
@@ -175,7 +193,7 @@ class ColdTier:
         #: XFetch's β for the early refresh of popular prefixes (kvstore/expiry.py).
         self.refresh_beta = refresh_beta
         # Blobs prefetched for jobs about to be admitted: hash -> [blob, jobs using it].
-        self._staged: dict[str, list] = {}
+        self._staged: dict[str, _Staged] = {}
         self._staged_lock = threading.Lock()
         # The first missing block of each prefix ensure_prefix is building here: the
         # key its waiters look for, so write() stores it after the rest.
@@ -368,17 +386,23 @@ class ColdTier:
     def prefetch(self, block_hashes: Sequence[BlockHash], *, rebuild_s: float = 0.0) -> tuple[list[str], int]:
         """Fetch the leading run of `block_hashes` now (in the caller's thread) and stage
         it for `load_staged`: the staged hash ids, to `unstage` once the job is admitted,
-        and the bytes fetched."""
+        and the bytes fetched.
+
+        What can be done before admission is done here, off the step thread: an INT8
+        blob is dequantized, a GPU pool's blocks are copied to the device, and each
+        block is split into the 2L tensors the admission copies from."""
         blobs = self.fetch(block_hashes, rebuild_s=rebuild_s)
         ids = [hash_id(h) for h in block_hashes[:len(blobs)]]
-        duplicates = []
+        device = self.kv_caches[0][0].device
+        prepared = [_Staged.of(blob, device) for blob in blobs]
+        spare = [blob for blob, entry in zip(blobs, prepared) if entry.blob is None]  # copied out already
         with self._staged_lock:
-            for block, blob in zip(ids, blobs):
-                entry = self._staged.setdefault(block, [blob, 0])
-                entry[1] += 1
-                if entry[0] is not blob:  # staged by another job already: one copy is enough
-                    duplicates.append(blob)
-        self.release(duplicates)
+            for block, entry in zip(ids, prepared):
+                kept = self._staged.setdefault(block, entry)
+                kept.uses += 1
+                if kept is not entry and entry.blob is not None:  # staged by another job: one is enough
+                    spare.append(entry.blob)
+        self.release(spare)
         return ids, sum(blob.nbytes for blob in blobs)
 
     def unstage(self, ids: Sequence[str]) -> None:
@@ -388,9 +412,11 @@ class ColdTier:
             for block in ids:
                 entry = self._staged.get(block)
                 if entry is not None:
-                    entry[1] -= 1
-                    if entry[1] <= 0:
-                        freed.append(self._staged.pop(block)[0])
+                    entry.uses -= 1
+                    if entry.uses <= 0:
+                        del self._staged[block]
+                        if entry.blob is not None:
+                            freed.append(entry.blob)
         self.release(freed)
 
     def load_staged(self, block_hashes: Sequence[BlockHash], block_ids: Callable[[int], Sequence[int]]) -> int:
@@ -400,24 +426,31 @@ class ColdTier:
             entries = list(itertools.takewhile(bool, (self._staged.get(hash_id(h)) for h in block_hashes)))
             held = [hash_id(h) for h in block_hashes[:len(entries)]]
             for entry in entries:  # a use of our own while copying: another job's unstage cannot free them
-                entry[1] += 1
+                entry.uses += 1
         try:
             if entries:
-                self.copy_in([e[0] for e in entries], block_ids(len(entries)))
+                self._copy_blocks([e.blocks for e in entries], block_ids(len(entries)))
                 metrics.KV_LOAD_SECONDS.observe(time.perf_counter() - started)
         finally:
             self.unstage(held)
         return len(entries)
 
     def copy_in(self, blobs: Sequence[KVBlob], block_ids: Sequence[int]) -> None:
-        """Copy each blob into its block of the pool, all in one op: 2L copies a block,
-        which one at a time cost more in dispatch (and GIL hand-offs) than in bytes."""
+        """Copy each blob into its block of the pool."""
         device = self.kv_caches[0][0].device
+        blocks = []
+        for blob in blobs:
+            kv = blob.tensor(device)  # (L, 2, BS, Hkv, D)
+            blocks.append(kv.view(-1, *kv.shape[2:]).unbind(0))  # 2L × (BS, Hkv, D), K before V
+        self._copy_blocks(blocks, block_ids)
+
+    def _copy_blocks(self, blocks: Sequence[Sequence[torch.Tensor]], block_ids: Sequence[int]) -> None:
+        """All 2L tensors of every block into the pool in one op: one at a time, the
+        copies cost more in dispatch (and GIL hand-offs) than in bytes."""
         caches = [cache for pair in self.kv_caches for cache in pair]  # 2L × (NB, BS, Hkv, D), K before V
         dst, src = [], []
-        for blob, block_id in zip(blobs, block_ids, strict=True):
-            kv = blob.tensor(device)  # (L, 2, BS, Hkv, D)
-            src.extend(kv.view(-1, *kv.shape[2:]).unbind(0))  # 2L × (BS, Hkv, D), K before V
+        for parts, block_id in zip(blocks, block_ids, strict=True):
+            src.extend(parts)
             dst.extend(cache[block_id] for cache in caches)
         torch._foreach_copy_(dst, src)  # the private name is the one torch has (optimizers use it)
 

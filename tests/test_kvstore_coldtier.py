@@ -136,10 +136,10 @@ def test_a_block_staged_by_two_jobs_stays_until_both_are_done_and_admission_take
     tier = make_tier(dst)
     a, _ = tier.prefetch(HASHES[:2])
     b, _ = tier.prefetch(HASHES[:1])
-    assert tier._staged[HASHES[0]][1] == 2 and tier._staged[HASHES[1]][1] == 1
+    assert tier._staged[HASHES[0]].uses == 2 and tier._staged[HASHES[1]].uses == 1
     assert len(tier._read_buffers._free) == 1  # b's copy of HASHES[0]: one staged copy is enough
     assert tier.load_staged(HASHES[:2], lambda n: [2, 3][:n]) == 2
-    assert tier._staged[HASHES[0]][1] == 2  # the admission's own use is given back
+    assert tier._staged[HASHES[0]].uses == 2  # the admission's own use is given back
     tier.unstage(a)
     assert list(tier._staged) == [HASHES[0]]  # b still holds it
     assert tier.load_staged(HASHES[:2], lambda n: [4, 5][:n]) == 1
@@ -147,6 +147,21 @@ def test_a_block_staged_by_two_jobs_stays_until_both_are_done_and_admission_take
     assert tier._staged == {} and len(tier._read_buffers._free) == 3  # the last use freed the buffers
     for got, want in [(2, 0), (3, 1), (4, 0)]:
         assert torch.equal(block_of(dst, got), block_of(src, want))
+
+
+def test_an_int8_prefetch_is_dequantized_before_admission_and_its_buffer_reused_at_once(make_tier):
+    src = make_pool(seed=6)
+    store(make_tier(src, quant=Quant.INT8), HASHES[:2], [0, 1])
+    dst = make_pool(zeros=True)
+    tier = make_tier(dst)  # reads INT8 blobs whatever it writes
+    staged, _ = tier.prefetch(HASHES[:2])
+    assert all(tier._staged[h].blob is None for h in staged)  # dequantized here, off the step thread
+    assert len(tier._read_buffers._free) == 0  # INT8 blobs are not this tier's size: fresh buffers, not pooled
+    assert tier.load_staged(HASHES[:2], lambda n: [4, 5][:n]) == 2
+    tier.unstage(staged)
+    for got, want in [(4, 0), (5, 1)]:
+        x, y = block_of(src, want).float(), block_of(dst, got).float()
+        assert ((y - x).abs() <= x.abs().amax(dim=-1, keepdim=True) / 254 + x.abs() * 2**-10 + 1e-6).all()
 
 
 def test_workers_of_another_dtype_keep_apart_instead_of_deleting_each_others_blobs(make_tier, cache_client):
