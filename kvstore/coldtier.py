@@ -200,7 +200,10 @@ class ColdTier:
         self._building: dict[str, int] = {}
         self._building_lock = threading.Lock()
         self.spill_queue: SpillQueue[tuple[str, bytearray]] = SpillQueue(
-            self._write_batch, max_bytes=spill_max_bytes, max_batch=spill_batch, name="kv-spill"
+            # One writer thread per connection, each sending its own small batch in its
+            # own thread: no batch waits for the slowest connection of another.
+            lambda items: self._write_batch(items, connections=1), max_bytes=spill_max_bytes,
+            max_batch=max(1, spill_batch // connections), writers=connections, name="kv-spill"
         )
         metrics.KV_SPILL_QUEUE_BYTES.set_function(lambda: self.spill_queue.pending_bytes)
 
@@ -273,12 +276,14 @@ class ColdTier:
         blob = self.codec.seal(buf, block, time.time() + logical_s)
         return self.keys.kv_block(self.namespace, block), blob, physical_ttl_ms(logical_s, self.grace_s)
 
-    def _write_batch(self, items: list[tuple[str, bytearray]], *, raise_errors: bool = False) -> None:
-        """Seal and SET a batch (the spill thread, or write()): spread over the writer's
-        connections, each sealing its blobs as it sends them, so one block's crc32c
-        (or quantization) overlaps another's socket write; both release the GIL."""
+    def _write_batch(self, items: list[tuple[str, bytearray]], *, raise_errors: bool = False,
+                     connections: Optional[int] = None) -> None:
+        """Seal and SET a batch (a spill thread, or write()) over up to `connections` of
+        the writer's connections, each sealing its blobs as it sends them, so one
+        block's crc32c (or quantization) overlaps another's socket write; both release
+        the GIL."""
         try:
-            self._writer.set_many(items, self._seal)
+            self._writer.set_many(items, self._seal, connections=connections)
             metrics.KV_SPILLED_BLOCKS.inc(len(items))
             metrics.KV_SPILLED_BYTES.inc(len(items) * self.blob_nbytes)
         except redis.RedisError:

@@ -1,5 +1,5 @@
-"""A bounded background writer: producers hand items over without waiting, one thread
-writes them in batches.
+"""A bounded background writer: producers hand items over without waiting, a few
+threads write them in batches.
 
 The engine's eviction hook runs on the decode loop; a Redis round trip there would
 stall every running sequence. So the hook only copies the block out and `offer()`s it
@@ -7,6 +7,9 @@ here. The queue is bounded in bytes, not items, because its items are megabytes:
 the writer falls behind, `offer()` refuses (the caller counts a drop) instead of
 blocking the engine or growing without bound. A dropped spill costs a recompute later,
 never correctness.
+
+Several writer threads (`writers`) each take the next batch as soon as they are free,
+so one slow write never holds the others back behind a barrier.
 
 It knows nothing about Redis or tensors: `write_batch(items)` does the writing.
 """
@@ -31,13 +34,15 @@ class SpillQueue(Generic[T]):
         *,
         max_bytes: int,
         max_batch: int = 8,
+        writers: int = 1,
         name: str = "spill",
     ) -> None:
         """max_bytes: the most bytes waiting or being written at once (the memory bound).
         max_batch: items per `write_batch` call; one pipelined round trip each.
+        writers: threads calling `write_batch` at once (it must be safe to call so).
         """
-        if max_bytes <= 0 or max_batch <= 0:
-            raise ValueError(f"max_bytes and max_batch must be > 0, got {max_bytes}, {max_batch}")
+        if max_bytes <= 0 or max_batch <= 0 or writers <= 0:
+            raise ValueError(f"max_bytes, max_batch and writers must be > 0, got {max_bytes}, {max_batch}, {writers}")
         self._write_batch = write_batch
         self.max_bytes = max_bytes
         self.max_batch = max_batch
@@ -45,8 +50,9 @@ class SpillQueue(Generic[T]):
         self._cond = threading.Condition()
         self._pending_bytes = 0  # queued + being written; what max_bytes bounds
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(writers)]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def pending_bytes(self) -> int:
@@ -78,11 +84,13 @@ class SpillQueue(Generic[T]):
             return True
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Refuse new items, write what is queued, stop the thread."""
+        """Refuse new items, write what is queued, stop the threads."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:

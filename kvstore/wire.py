@@ -196,9 +196,11 @@ class Wire:
 
         return self._spread(keys, run, connections)
 
-    def set_many(self, items: Sequence[I], encode: Callable[[I], tuple[str, Buffer, int]]) -> None:
+    def set_many(self, items: Sequence[I], encode: Callable[[I], tuple[str, Buffer, int]], *,
+                 connections: Optional[int] = None) -> None:
         """`encode(item)` -> (key, value, px), run in the sending thread; each value is
-        then `SET key value PX px`. Raises the first error reply or connection error."""
+        then `SET key value PX px`. Raises the first error reply or connection error.
+        With `connections=1` it all happens in the calling thread."""
         def run(_first: int, chunk: Sequence[I], sock: socket.socket, fast: bool) -> list[None]:
             for item in chunk:
                 key, value, px = encode(item)
@@ -211,7 +213,7 @@ class Wire:
             reader.expect_drained()
             return [None] * len(chunk)
 
-        self._spread(items, run)
+        self._spread(items, run, connections)
 
     def _spread(self, items: Sequence, run: Callable[[int, Sequence, socket.socket, bool], list],
                 connections: Optional[int] = None) -> list:

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from kvstore.spill import SpillQueue
 
 #: The most any wait below may take; only a broken behaviour reaches it.
 TIMEOUT_S = 30.0
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
 
 
 class GatedWriter:
@@ -86,4 +94,23 @@ def test_flush_times_out_while_the_writer_is_stuck():
     queue.offer(0, 1)
     assert not queue.flush(0.1)
     writer.gate.set()
+    queue.close()
+
+
+def test_with_several_writers_a_stuck_write_does_not_hold_back_the_next_items():
+    stuck, written = threading.Event(), []
+
+    def write(items: list[int]) -> None:
+        if items == [0]:
+            stuck.wait(2 * TIMEOUT_S)  # the first write hangs (a slow connection)
+        written.extend(items)
+
+    queue = SpillQueue(write, max_bytes=1000, max_batch=1, writers=2)
+    assert queue.offer(0, 100)
+    assert queue.offer(1, 100) and queue.offer(2, 100)
+    try:
+        wait_until(lambda: written == [1, 2], "the other writer wrote items 1 and 2 while 0 hangs")
+    finally:
+        stuck.set()
+    assert queue.flush(TIMEOUT_S) and sorted(written) == [0, 1, 2]
     queue.close()
