@@ -1,6 +1,6 @@
 """Engine throughput against the baseline a user would otherwise write, and prefix-cache TTFT.
 
-    python -m bench.engine [--quick] [--spec-only | --static-only] [--threads N] [--device cpu|cuda]
+    python -m bench.engine [--quick] [--spec-only | --static-only | --kv-mixed-only] [--threads N] [--device cpu|cuda]
                            [--kernels auto|triton|torch] [--attention paged|sdpa] [--results DIR]
     (from the repository root)
 
@@ -33,6 +33,12 @@
    token as the concurrency (the batch) grows, 1, 8 and 32: the plot's third panel.
    `--static-only` runs just this part and merges its keys into an existing engine.json.
 
+5. The FP16-K / INT8-V hot tier (issue 15, bench/kv_mixed.py): tokens and sequences
+   per worker in the same KV memory (`kv_mixed_capacity_gain`), perplexity on the
+   held-out English text (`kv_mixed_ppl_increase`) and throughput, against the
+   all-16-bit pool, on builtin:english in float16. `--kv-mixed-only` runs just this
+   part and merges its keys into an existing engine.json (the full run does not run it).
+
 Peak RSS is sampled every 10 ms during each run. Results: a table on stdout,
 bench/results/engine.json and bench/results/engine.png.
 """
@@ -60,6 +66,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from msgspec.structs import replace  # noqa: E402
 
+from bench import kv_mixed  # noqa: E402
 from kernels import ops  # noqa: E402
 from kvfleet.contracts import Sampling  # noqa: E402
 from kvfleet.modelinfo import PACKAGED_DIR  # noqa: E402
@@ -374,6 +381,8 @@ def main() -> None:
                         help="only the speculative-decoding part; its keys are merged into engine.json")
     parser.add_argument("--static-only", action="store_true",
                         help="only the static-batching comparison; its keys are merged into engine.json")
+    parser.add_argument("--kv-mixed-only", action="store_true",
+                        help="only the FP16-K / INT8-V pool against the 16-bit one; its keys are merged into engine.json")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, for both sides")
     parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
     env = Settings.from_env().engine  # KVFLEET_KERNELS / KVFLEET_ATTENTION, as a worker reads them
@@ -404,6 +413,13 @@ def main() -> None:
         spec = spec_section(args.quick, args.device, base)
         print_spec(spec)
         merge(spec, "spec_setup")
+        return
+
+    if args.kv_mixed_only:
+        mixed = kv_mixed.section(load_model(kv_mixed.MODEL, device=args.device, dtype=kv_mixed.DTYPE), kernels,
+                                 base, args.quick)
+        kv_mixed.print_section(mixed)
+        merge(mixed, "kv_mixed_setup")
         return
 
     loaded = load_model("builtin:bench", device=args.device)
