@@ -204,6 +204,26 @@ class TestUnderInterpreter:
         want = reference.paged_attention(q, kc, vc, paged, 32**-0.5, v_scales=vs)
         assert max_err(paged_attention(q, kc, vc, paged, 32**-0.5, v_scales=vs), want) <= 1e-5
 
+    def test_engine_on_the_mixed_pool_decodes_the_same_with_triton_and_torch(self) -> None:
+        # The whole path: the model runner's int8 pool, Triton storing and attending over it
+        # (prefills, decodes, a prefix-cache hit), against the torch backend on the same pool.
+        from workers.engine import Engine, EngineConfig
+        from workers.model import load_model
+
+        tiny = load_model("builtin:tiny", device="cpu", dtype="float32")
+        batch = [list(range(5 + i, 40 + 3 * i)) for i in range(3)]
+        out = {}
+        for backend in ("triton", "torch"):
+            config = EngineConfig(num_blocks=64, kernels=backend, kv_cache_dtype="int8-v", max_model_len=256)
+            with Engine(tiny, config) as engine:
+                assert engine.kernels.backend == backend and engine.v_scales is not None
+                handles = [engine.submit(f"r{i}", p, 6) for i, p in enumerate(batch)]
+                tokens = [h.result(timeout=300).tokens for h in handles]
+                again = engine.generate("again", batch[2], 6)  # its first blocks come from the cache
+                assert again.cached_tokens > 0
+                out[backend] = tokens + [again.tokens]
+        assert out["triton"] == out["torch"]
+
     @staticmethod
     def _check(batch, hq, hkv, d, dtype, tol, **tiles) -> None:
         from kernels.paged_attention import paged_attention
