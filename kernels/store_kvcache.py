@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels.contract import V_SCALE_MIN
 from kernels.launch import check_device, check_mixed_pool, head_block
-from kernels.quant_int8 import INV_127, _round_half_even
+from kernels.quant_int8 import INV_127, round_half_even
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _store_kvcache_kernel(
         # to fp16 first and the row divided by the rounded value, as the reference does.
         scale = tl.maximum(tl.max(tl.abs(vf), axis=0) * INV_127, SCALE_MIN).to(tl.float16)
         y = tl.math.div_rn(vf, scale.to(tl.float32))  # (D,)
-        q = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
+        q = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
         tl.store(v_cache_ptr + dst, q.to(tl.int8), mask=mask)
         row = slot * tl.num_programs(1) + h  # scales (NB * BS, Hkv), contiguous: one per (slot, KV head)
         tl.store(v_scale_ptr + row, scale, mask=slot >= 0)
