@@ -36,8 +36,8 @@
 5. The FP16-K / INT8-V hot tier (issue 15, bench/kv_mixed.py): tokens and sequences
    per worker in the same KV memory (`kv_mixed_capacity_gain`), perplexity on the
    held-out English text (`kv_mixed_ppl_increase`) and throughput, against the
-   all-16-bit pool, on builtin:english in float16. `--kv-mixed-only` runs just this
-   part and merges its keys into an existing engine.json (the full run does not run it).
+   all-16-bit pool, on builtin:english in float16 (about 15 s). `--kv-mixed-only` runs
+   just this part and merges its keys into an existing engine.json.
 
 Peak RSS is sampled every 10 ms during each run. Results: a table on stdout,
 bench/results/engine.json and bench/results/engine.png.
@@ -441,6 +441,8 @@ def main() -> None:
               run_prefix(loaded, n_prefix, 1024, cached=True, base=base)]
     spec = spec_section(args.quick, args.device, base)
     static = static_section(loaded, args.quick, base)
+    mixed = kv_mixed.section(load_model(kv_mixed.MODEL, device=args.device, dtype=kv_mixed.DTYPE), kernels, base,
+                             args.quick)
 
     at_32 = next(r for r in engine_runs if r["concurrency"] == 32)
     results = {
@@ -448,6 +450,7 @@ def main() -> None:
         "ttft_prefix_cached_over_uncached": prefix[1]["mean_ttft_s"] / prefix[0]["mean_ttft_s"],
         **{k: v for k, v in spec.items() if k != "spec"},
         **static,
+        **mixed,
         "engine": engine_runs, "hf_generate": hf, "prefix": prefix, "spec": spec["spec"],
         "setup": {"quick": args.quick, "threads": args.threads, "cpus": os.cpu_count(),
                   "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
@@ -469,6 +472,7 @@ def main() -> None:
           f"load average {load_before[0]:.1f} -> {results['setup']['load_avg_after'][0]:.1f} on {os.cpu_count()} CPUs")
     print_spec(spec)
     print_static(static)
+    kv_mixed.print_section(mixed)
 
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
