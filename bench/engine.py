@@ -1,6 +1,6 @@
 """Engine throughput against the baseline a user would otherwise write, and prefix-cache TTFT.
 
-    python -m bench.engine [--quick] [--spec-only | --static-only] [--threads N] [--device cpu|cuda]
+    python -m bench.engine [--quick] [--spec-only | --static-only | --kv-mixed-only] [--threads N] [--device cpu|cuda]
                            [--kernels auto|triton|torch] [--attention paged|sdpa] [--results DIR]
     (from the repository root)
 
@@ -33,6 +33,12 @@
    token as the concurrency (the batch) grows, 1, 8 and 32: the plot's third panel.
    `--static-only` runs just this part and merges its keys into an existing engine.json.
 
+5. The FP16-K / INT8-V hot tier (issue 15, bench/kv_mixed.py): tokens and sequences
+   per worker in the same KV memory (`kv_mixed_capacity_gain`), perplexity on the
+   held-out English text (`kv_mixed_ppl_increase`) and throughput, against the
+   all-16-bit pool, on builtin:english in float16 (about 15 s). `--kv-mixed-only` runs
+   just this part and merges its keys into an existing engine.json.
+
 Peak RSS is sampled every 10 ms during each run. Results: a table on stdout,
 bench/results/engine.json and bench/results/engine.png.
 """
@@ -60,6 +66,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from msgspec.structs import replace  # noqa: E402
 
+from bench import kv_mixed  # noqa: E402
 from kernels import ops  # noqa: E402
 from kvfleet.contracts import Sampling  # noqa: E402
 from kvfleet.modelinfo import PACKAGED_DIR  # noqa: E402
@@ -374,6 +381,8 @@ def main() -> None:
                         help="only the speculative-decoding part; its keys are merged into engine.json")
     parser.add_argument("--static-only", action="store_true",
                         help="only the static-batching comparison; its keys are merged into engine.json")
+    parser.add_argument("--kv-mixed-only", action="store_true",
+                        help="only the FP16-K / INT8-V pool against the 16-bit one; its keys are merged into engine.json")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, for both sides")
     parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
     env = Settings.from_env().engine  # KVFLEET_KERNELS / KVFLEET_ATTENTION, as a worker reads them
@@ -406,6 +415,13 @@ def main() -> None:
         merge(spec, "spec_setup")
         return
 
+    if args.kv_mixed_only:
+        mixed = kv_mixed.section(load_model(kv_mixed.MODEL, device=args.device, dtype=kv_mixed.DTYPE), kernels,
+                                 base, args.quick)
+        kv_mixed.print_section(mixed)
+        merge(mixed, "kv_mixed_setup")
+        return
+
     loaded = load_model("builtin:bench", device=args.device)
     if args.static_only:
         static = static_section(loaded, args.quick, base)
@@ -425,6 +441,8 @@ def main() -> None:
               run_prefix(loaded, n_prefix, 1024, cached=True, base=base)]
     spec = spec_section(args.quick, args.device, base)
     static = static_section(loaded, args.quick, base)
+    mixed = kv_mixed.section(load_model(kv_mixed.MODEL, device=args.device, dtype=kv_mixed.DTYPE), kernels, base,
+                             args.quick)
 
     at_32 = next(r for r in engine_runs if r["concurrency"] == 32)
     results = {
@@ -432,6 +450,7 @@ def main() -> None:
         "ttft_prefix_cached_over_uncached": prefix[1]["mean_ttft_s"] / prefix[0]["mean_ttft_s"],
         **{k: v for k, v in spec.items() if k != "spec"},
         **static,
+        **mixed,
         "engine": engine_runs, "hf_generate": hf, "prefix": prefix, "spec": spec["spec"],
         "setup": {"quick": args.quick, "threads": args.threads, "cpus": os.cpu_count(),
                   "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
@@ -453,6 +472,7 @@ def main() -> None:
           f"load average {load_before[0]:.1f} -> {results['setup']['load_avg_after'][0]:.1f} on {os.cpu_count()} CPUs")
     print_spec(spec)
     print_static(static)
+    kv_mixed.print_section(mixed)
 
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "engine.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -1,5 +1,7 @@
 """Kernel benchmark: paged attention (Triton vs gather + SDPA vs the torch reference),
-INT8 quantize/dequantize and store_kvcache, each checked against the reference first.
+INT8 quantize/dequantize and store_kvcache, each checked against the reference first;
+on CUDA also Triton decode attention and store_kvcache on the mixed pool (bf16 K, INT8 V
+with fp16 row scales, `attention/mixed-decode`, `store_kvcache/mixed`) beside the 16-bit pool.
 
     python bench/kernels.py [--quick] [--out bench/results]
 
@@ -181,14 +183,56 @@ def bench_quant_and_store(cuda: bool, quick: bool, time_ms: Callable) -> list[Ro
     return rows
 
 
-HEADER = f"{'op':<18} {'shape':<24} {'impl':<12} {'ms':>9} {'GB/s':>8} {'max err':>9}  status"
+def bench_mixed(quick: bool, time_ms: Callable, device: str = "cuda", contexts: tuple[int, ...] | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> list[Row]:
+    """Triton on the mixed pool (`dtype` K, int8 V + fp16 scales) against the reference on
+    the same pool, next to the "attention/decode" rows of the 16-bit pool. (`device`,
+    `contexts` and `dtype` let it run small under the interpreter, fp16: the interpreter
+    cannot run bf16 dots.)"""
+    from kernels import paged_attention as triton_attention
+    from kernels import store_kvcache
+    from kernels.contract import V_SCALE_DTYPE
+
+    rows = []
+    batches = (1, 64) if quick else (1, 8, 32, 64)
+    for b in batches:
+        for c in contexts or ((512, 4096) if quick else (128, 512, 1024, 4096)):
+            q, k_cache, v16, batch, scale = make_inputs(Shape("decode", b, 1, c), dtype, device)
+            v8, vs = reference.quantize_v_row(v16)  # (NB, BS, Hkv, D) int8, (NB, BS, Hkv) fp16
+            want = reference.paged_attention(q, k_cache, v8, batch, scale, v_scales=vs).float()
+            # K at 2 bytes a value, V at 1 plus 2 bytes a row; q in, out.
+            nbytes = b * c * HKV * (3 * HEAD_DIM + 2) + 2 * b * HQ * HEAD_DIM * 2
+            check = lambda out, w=want: (out.float() - w).abs().max().item()  # noqa: E731
+            rows.append(run(Row("attention/mixed-decode", f"B={b} q=1 ctx={c}", "triton"),
+                            lambda a=(q, k_cache, v8, batch, scale), s=vs: triton_attention.paged_attention(
+                                *a, v_scales=s), check, 2e-2, time_ms, nbytes))
+            del q, k_cache, v16, v8, vs, want
+    for tokens in (64, 4096):
+        kv = torch.randn(2, tokens, HKV, HEAD_DIM, device=device).to(dtype)
+        nb = 2 * tokens // BLOCK_SIZE + 1
+        slots = torch.randperm(nb * BLOCK_SIZE, device=device)[:tokens]
+        slots[::7] = -1  # padding rows
+        shape = (nb, BLOCK_SIZE, HKV, HEAD_DIM)
+        want = (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=torch.int8),
+                torch.zeros(shape[:3], device=device, dtype=V_SCALE_DTYPE))
+        reference.store_kvcache(kv[0], kv[1], want[0], want[1], slots, v_scales=want[2])
+        got = tuple(torch.zeros_like(w) for w in want)
+        check = lambda _, g=got, w=want: float(sum((x != y).sum() for x, y in zip(g, w)))  # noqa: E731
+        nbytes = 2 * kv[0].numel() * 2 + kv[0].numel() * (2 + 1) + tokens * HKV * 2  # read K, V; write K, V, scales
+        rows.append(run(Row("store_kvcache/mixed", f"{tokens} tokens", "triton"),
+                        lambda g=got: store_kvcache.store_kvcache(kv[0], kv[1], g[0], g[1], slots, v_scales=g[2]),
+                        check, 0, time_ms, nbytes, measure="values differing"))
+    return rows
+
+
+HEADER = f"{'op':<22} {'shape':<24} {'impl':<12} {'ms':>9} {'GB/s':>8} {'max err':>9}  status"
 
 
 def print_row(r: Row) -> None:
     ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9}"
     gbps = f"{r.gbps:8.1f}" if r.gbps is not None else f"{'-':>8}"
     err = f"{r.max_err:9.2g}" if r.max_err is not None else f"{'-':>9}"
-    print(f"{r.op:<18} {r.shape:<24} {r.impl:<12} {ms} {gbps} {err}  {r.error or 'ok'}", flush=True)
+    print(f"{r.op:<22} {r.shape:<24} {r.impl:<12} {ms} {gbps} {err}  {r.error or 'ok'}", flush=True)
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -234,6 +278,7 @@ def main() -> int:
     rows = bench_attention(cuda, args.quick, time_ms)
     if cuda:
         rows += bench_quant_and_store(cuda, args.quick, time_ms)
+        rows += bench_mixed(args.quick, time_ms)
 
     args.out.mkdir(parents=True, exist_ok=True)
     failed = [r for r in rows if r.error]

@@ -9,6 +9,16 @@ of tensors per layer:
 A token's *slot* is `block_id * BS + offset`; a sequence's *block table* lists its
 block ids in order. Slot -1 means "do not store" (padding).
 
+The mixed pool (FP16-K / INT8-V, EngineConfig.kv_cache_dtype "int8-v") keeps K as
+above and V as int8 of the same shape, with one scale per (token, KV head) row:
+
+    v_cache: (NB, BS, Hkv, D) int8,  v_scales: (NB, BS, Hkv) float16
+
+A row is quantized when it is stored (symmetric: `v = q * scale`, see
+`V_SCALE_MIN`), so appending a token never touches its block's other rows. The
+16-bit scale costs 2 bytes per D values; at D = 32 an fp32 one would eat a third of
+what INT8 saves.
+
 kernels/reference.py implements each operation in plain torch, correct first; every
 other implementation (Triton, the torch decode path, gather + SDPA) has the same
 signature and is tested against it. kernels/ops.py picks one of each.
@@ -20,6 +30,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+#: The dtype of the mixed pool's V scales: 16 bits a row (see the module docstring).
+V_SCALE_DTYPE = torch.float16
+#: Smallest V scale: fp16's smallest normal. Below it fp16 goes subnormal and a rounded
+#: scale could be far from absmax / 127; a row whose absmax is under 127 * 2**-14
+#: (0.0078) is quantized in steps of 2**-14 instead, an absolute error <= 3.1e-5.
+V_SCALE_MIN = 2.0 ** -14
 
 
 @dataclass(frozen=True)
@@ -53,9 +70,12 @@ class PagedAttention(Protocol):
         v_cache: torch.Tensor,  # (NB, BS, Hkv, D), already holding the new tokens' V
         batch: PagedBatch,
         scale: float,  # softmax scale, usually D ** -0.5
+        *,
+        v_scales: torch.Tensor | None = None,  # (NB, BS, Hkv) V_SCALE_DTYPE: v_cache is int8
     ) -> torch.Tensor:  # (T, Hq, D)
         """Causal attention of each sequence's new tokens over its whole cached context.
-        Grouped-query attention: query head h reads KV head h // (Hq // Hkv)."""
+        Grouped-query attention: query head h reads KV head h // (Hq // Hkv).
+        With `v_scales`, V is read as `v_cache * v_scales` (the mixed pool)."""
         ...
 
 
@@ -67,8 +87,12 @@ class StoreKVCache(Protocol):
         k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
         v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
         slot_mapping: torch.Tensor,  # (T,) int, -1 = skip
+        *,
+        v_scales: torch.Tensor | None = None,  # (NB, BS, Hkv) V_SCALE_DTYPE: v_cache is int8
     ) -> None:
-        """Scatter new K/V rows into the paged pool, in place, cast to the pool's dtype."""
+        """Scatter new K/V rows into the paged pool, in place, cast to the pool's dtype.
+        With `v_scales` (the mixed pool), each V row is quantized as
+        reference.quantize_v_row does: q into v_cache, its scale into v_scales."""
         ...
 
 

@@ -17,7 +17,7 @@ from kernels.contract import PagedBatch
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """contract.PagedAttention, through one padded, batched SDPA call."""
     t, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
@@ -39,7 +39,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     blocks = block_tables.long().gather(1, pos // bs).clamp(0, nb - 1)  # (B, L)
     slots = blocks * bs + pos % bs  # (B, L)
     k = k_cache.view(nb * bs, hkv, d)[slots].transpose(1, 2)  # (B, Hkv, L, D)
-    v = v_cache.view(nb * bs, hkv, d)[slots].transpose(1, 2)  # (B, Hkv, L, D)
+    v = v_cache.view(nb * bs, hkv, d)[slots]  # (B, L, Hkv, D)
+    if v_scales is not None:  # the mixed pool: int8 rows times their scales, in q's dtype for SDPA
+        v = (v.float() * v_scales.view(nb * bs, hkv)[slots].float().unsqueeze(-1)).to(q.dtype)  # (B, L, Hkv, D)
+    v = v.transpose(1, 2)  # (B, Hkv, L, D)
 
     # Scatter the packed queries into a padded batch: token j of sequence s -> [s, j].
     seq = torch.repeat_interleave(torch.arange(b, device=dev), q_lens, output_size=t)  # (T,)

@@ -35,3 +35,14 @@ def head_block(head_dim: int) -> int:
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def check_mixed_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, v_scales: torch.Tensor) -> None:
+    """The mixed pool's layout, which the kernels index without strides of their own:
+    int8 V shaped like K, contiguous fp16 scales with one per (block, slot, KV head)."""
+    check_device(v_scales)
+    if v_cache.dtype != torch.int8 or v_scales.dtype != torch.float16:
+        raise ValueError(f"a mixed pool has int8 V and float16 scales, got {v_cache.dtype} and {v_scales.dtype}")
+    if not k_cache.is_contiguous() or v_scales.shape != k_cache.shape[:3] or not v_scales.is_contiguous():
+        raise ValueError(f"v_scales must be contiguous (NB, BS, Hkv) = {tuple(k_cache.shape[:3])} beside "
+                         f"contiguous caches, got {tuple(v_scales.shape)}")

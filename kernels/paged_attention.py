@@ -14,6 +14,10 @@ Split-KV (flash-decoding): a decode batch has only B * Hkv programs, too few to 
 the GPU when B is small, so the keys are cut into splits that run in parallel and a
 second kernel merges their partial softmaxes. With one split the first kernel writes
 the output directly.
+
+The mixed pool (V_INT8, contract.py): V tiles load as int8 with one fp16 scale per
+key row and are dequantized in registers, to K's dtype, before the P·V dot; the
+pool is read at 3 bytes a K/V value pair instead of 4.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.contract import PagedBatch
-from kernels.launch import check_device, head_block
+from kernels.launch import check_device, check_mixed_pool, head_block
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
 MIN_ROWS = 16  # tl.dot wants M >= 16: decode tiles pad their few rows up to this
@@ -36,6 +40,7 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's merge costs more than its paral
 @triton.jit
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    v_scale_ptr,  # (NB, BS, Hkv) contiguous fp16; unused unless V_INT8
     part_ptr, stats_ptr,  # split partials: (T, Hq, S, D) and (T, Hq, S, 2) fp32
     cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
     scale_log2,  # softmax scale * log2(e)
@@ -43,7 +48,7 @@ def _attention_kernel(
     stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,  # caches (NB, BS, Hkv, D), last dim contiguous
     stride_bt,  # block_tables (B, max_blocks), contiguous
-    num_q_heads, group, block_size, head_dim,
+    num_q_heads, num_kv_heads, group, block_size, head_dim,
     num_splits, split_len,  # keys [split * split_len, (split + 1) * split_len)
     BLOCK_M: tl.constexpr,  # query tokens per tile
     BLOCK_G: tl.constexpr,  # query heads per KV head, rounded up to a power of two
@@ -51,6 +56,7 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
     SPLIT: tl.constexpr,  # num_splits > 1: write partials, not the output
     IEEE_DOT: tl.constexpr,  # fp32 inputs: full-precision dots instead of TF32
+    V_INT8: tl.constexpr,  # the mixed pool: V is int8 times a per-row scale
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -98,6 +104,10 @@ def _attention_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]  # (N, D)
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
+        if V_INT8:
+            scale_row = (block * block_size + n % block_size) * num_kv_heads + kvh  # (N,) slot * Hkv + head
+            v_scale = tl.load(v_scale_ptr + scale_row, mask=n_ok, other=0.0).to(tl.float32)  # (N,)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(k.dtype)  # (N, D) * (N, 1)
 
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (R, N)
@@ -171,6 +181,7 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int = KEYS_PER_STEP,
     num_splits: int | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """contract.PagedAttention.
 
@@ -180,6 +191,8 @@ def paged_attention(
     """
     cu_seqlens_q, context_lens, block_tables = batch.cu_seqlens_q, batch.context_lens, batch.block_tables
     check_device(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
+    if v_scales is not None:
+        check_mixed_pool(k_cache, v_cache, v_scales)
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
@@ -212,17 +225,17 @@ def paged_attention(
     q = q if q.stride(-1) == 1 else q.contiguous()
     grid = (b, triton.cdiv(max_q_len, block_m), hkv * num_splits)
     _attention_kernel[grid](
-        q, k_cache, v_cache, out, part, stats,
+        q, k_cache, v_cache, out, v_cache if v_scales is None else v_scales, part, stats,
         cu_seqlens_q.contiguous(), context_lens.contiguous(), block_tables.contiguous(),
         scale * LOG2E,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.shape[1],
-        hq, group, k_cache.shape[1], d,
+        hq, hkv, group, k_cache.shape[1], d,
         num_splits, split_len,
         BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32,
+        SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32, V_INT8=v_scales is not None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(t, hq)](

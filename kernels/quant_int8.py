@@ -18,7 +18,7 @@ ROW_TILE = 4096  # elements per program: ROWS * BLOCK_D, a few KiB of registers
 
 
 @triton.jit
-def _round_half_even(y):
+def round_half_even(y):
     # torch.round rounds halves to even; floor(y + 0.5) would round 2.5 to 3, not 2.
     f = tl.floor(y)
     frac = y - f
@@ -44,7 +44,7 @@ def _quantize_kernel(
     # div_rn: IEEE division, as torch does; the default GPU division is approximate
     # and would move values that sit at a rounding boundary.
     y = tl.math.div_rn(x, scale[:, None])  # (ROWS, BLOCK_D) / (ROWS, 1)
-    q = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
+    q = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(scale_ptr + r, scale, mask=r < n_rows)
 

@@ -9,17 +9,43 @@ from __future__ import annotations
 
 import torch
 
-from kernels.contract import PagedBatch
+from kernels.contract import V_SCALE_DTYPE, V_SCALE_MIN, PagedBatch
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, *, v_scales: torch.Tensor | None = None) -> None:
     """contract.StoreKVCache."""
     nb, bs, hkv, d = k_cache.shape
     keep = slot_mapping >= 0  # (T,)
     slots = slot_mapping[keep].long()  # (T',)
     k_cache.view(nb * bs, hkv, d)[slots] = key[keep].to(k_cache.dtype)  # (NB*BS, Hkv, D)[T'] = (T', Hkv, D)
-    v_cache.view(nb * bs, hkv, d)[slots] = value[keep].to(v_cache.dtype)
+    if v_scales is None:
+        v_cache.view(nb * bs, hkv, d)[slots] = value[keep].to(v_cache.dtype)
+        return
+    q, scale = quantize_v_row(value[keep])  # (T', Hkv, D) int8, (T', Hkv) fp16
+    v_cache.view(nb * bs, hkv, d)[slots] = q
+    v_scales.view(nb * bs, hkv)[slots] = scale  # (NB*BS, Hkv)[T'] = (T', Hkv)
+
+
+def quantize_v_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixed pool's V: (..., D) float -> (..., D) int8 and (...,) V_SCALE_DTYPE.
+
+    As quantize_int8, but the scale is rounded to 16 bits first and the values are
+    divided by the rounded scale, so `q * scale` is what was stored, to half a step.
+    """
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1)  # (...,)
+    scale = (absmax * (1.0 / 127.0)).clamp_min(V_SCALE_MIN).to(V_SCALE_DTYPE)  # (...,)
+    # A scale rounded down can put the absmax a hair past 127: the clamp takes it.
+    q = torch.round(xf / scale.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)  # (..., D) / (..., 1)
+    return q, scale
+
+
+def dequantize_v(v_cache: torch.Tensor, v_scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """V rows as `dtype`: (..., D) int8 times (...,) scales, or v_cache itself without scales."""
+    if v_scales is None:
+        return v_cache
+    return (v_cache.float() * v_scales.float().unsqueeze(-1)).to(dtype)  # (..., D) * (..., 1)
 
 
 def gather_kv(
@@ -35,7 +61,7 @@ def gather_kv(
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """contract.PagedAttention: one sequence at a time, K/V expanded to every query head."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -50,6 +76,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             continue
         k = gather_kv(k_cache, batch.block_tables[b], ctx)  # (ctx, Hkv, D)
         v = gather_kv(v_cache, batch.block_tables[b], ctx)  # (ctx, Hkv, D)
+        if v_scales is not None:  # the mixed pool: int8 rows times their scales
+            v = dequantize_v(v, gather_kv(v_scales, batch.block_tables[b], ctx), torch.float32)  # (ctx, Hkv, D)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # (Hq, ctx, D)
         v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()  # (Hq, ctx, D)
         qb = q[q_lo:q_hi].transpose(0, 1).float()  # (Hq, q_len, D)

@@ -18,15 +18,15 @@ from kernels.contract import PagedBatch
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """contract.PagedAttention: `decode` when every sequence has one query row, else the reference."""
     if q.shape[0] != batch.num_seqs:  # some sequence has several query rows: a prefill
-        return reference.paged_attention(q, k_cache, v_cache, batch, scale)
-    return decode(q, k_cache, v_cache, batch, scale)
+        return reference.paged_attention(q, k_cache, v_cache, batch, scale, v_scales=v_scales)
+    return decode(q, k_cache, v_cache, batch, scale, v_scales=v_scales)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
-           scale: float) -> torch.Tensor:
+           scale: float, *, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """contract.PagedAttention for a batch of one query row per sequence (B = T), at its last position."""
     hq, d = q.shape[1:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -36,6 +36,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         blocks = batch.block_tables[b, :(ctx + bs - 1) // bs].long()  # (n_blocks,)
         k = k_cache[blocks].view(-1, hkv, d)[:ctx].float()  # (n_blocks, BS, Hkv, D) -> (ctx, Hkv, D)
         v = v_cache[blocks].view(-1, hkv, d)[:ctx].float()  # (n_blocks, BS, Hkv, D) -> (ctx, Hkv, D)
+        if v_scales is not None:  # the mixed pool: int8 rows times their scales
+            v = v * v_scales[blocks].view(-1, hkv, 1)[:ctx].float()  # (ctx, Hkv, D) * (ctx, Hkv, 1)
         qg = q[b].view(hkv, group, d).float()  # (Hq, D) -> (Hkv, G, D): heads that share a KV head
         # The only query is the last position, so every cached token is visible: no mask.
         probs = torch.softmax(torch.bmm(qg, k.permute(1, 2, 0)) * scale, dim=-1)  # (Hkv, G, ctx)

@@ -354,6 +354,10 @@ class PolicyConfig:
         return dataclasses.replace(self, **changes)
 
 
+#: EngineConfig.kv_cache_dtype: the KV pool's layouts (workers/engine/model_runner.py).
+KV_CACHE_DTYPES = ("model", "int8-v")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's knobs (workers/engine/), checked once when built."""
@@ -377,6 +381,12 @@ class EngineConfig:
     kernels: str = knob("auto", "KERNELS", choices=("auto", "triton", "torch"))
     #: Attention path: "paged" (the backend's paged kernel) or "sdpa" (gather + SDPA).
     attention: str = knob("paged", "ATTENTION", choices=("paged", "sdpa"))
+    #: What the KV pool holds: "model" (K and V in the model's dtype) or "int8-v" (K in
+    #: the model's dtype, V as INT8 with one fp16 scale per token and KV head: the
+    #: FP16-K / INT8-V hot tier: 1.306x the tokens of a 16-bit pool in the same memory at
+    #: head_dim 32, for +0.001% held-out perplexity on builtin:english, docs/engine.md).
+    #: The cold tier cannot carry int8-v blocks: Settings refuses the two together.
+    kv_cache_dtype: str = knob("model", "KV_CACHE_DTYPE", choices=KV_CACHE_DTYPES)
     #: While a higher class has work in the engine, lower classes' tokens ride along in a
     #: step only while they make it at most this much longer than the higher class's
     #: work alone (predicted from the engine's measured step times, step_cost.py). 0.25:
@@ -405,6 +415,9 @@ class EngineConfig:
                                  f"(KVFLEET_{name.upper()})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt and one new token), got {self.max_model_len}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r} (KVFLEET_KV_CACHE_DTYPE)")
 
 
 @dataclass(frozen=True)
@@ -480,6 +493,13 @@ class Settings:
     #: second clone (CI's) reuses what the first downloaded.
     home: str = knob(str(Path.home() / ".cache" / "kvfleet"), "HOME")
     log_level: str = knob("INFO", "LOG_LEVEL", str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        # The cold tier's blobs copy whole blocks of one dtype, K and V alike (kvstore/blob.py);
+        # an int8-v pool's V is int8 with scales beside it, which they cannot carry.
+        if self.engine.kv_cache_dtype == "int8-v" and self.cold_tier.enabled:
+            raise ValueError("KVFLEET_KV_CACHE_DTYPE=int8-v cannot run with the cold tier, whose blobs hold K and V "
+                             "of one dtype: set KVFLEET_COLD_TIER=0 as well, or KVFLEET_KV_CACHE_DTYPE=model")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":

@@ -48,6 +48,9 @@ log = logging.getLogger("kvfleet.worker")
 
 
 def cold_tier(settings: Settings, engine: Engine) -> ColdTier:
+    if engine.v_scales is not None:  # Settings refuses the pair; an engine built another way is refused here
+        raise ValueError("the cold tier cannot hold an int8-v pool's blocks (KVFLEET_KV_CACHE_DTYPE=int8-v): "
+                         "set KVFLEET_COLD_TIER=0 or KVFLEET_KV_CACHE_DTYPE=model")
     c = settings.cold_tier
     return ColdTier(connect(settings.redis.cache_url), settings.redis.keys, engine.block_manager.fingerprint,
                     engine.kv_cache, kernels=engine.kernels, quant=Quant(c.quant), ttl_s=c.ttl_s,

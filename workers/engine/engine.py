@@ -37,7 +37,7 @@ from workers.engine.model_runner import ModelRunner, kv_bytes_per_block
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 from workers.engine.stats import EngineStats
-from workers.model.llama import KVCache
+from workers.model.llama import KVCache, VScales
 from workers.model.loader import LoadedModel
 
 
@@ -71,7 +71,8 @@ class Engine:
         self.config = config
         self.max_model_len = min(config.max_model_len or loaded_model.max_context, loaded_model.max_context)
         bs = config.block_size
-        num_blocks = config.num_blocks or config.kv_memory_bytes // kv_bytes_per_block(loaded_model, bs)
+        num_blocks = config.num_blocks or config.kv_memory_bytes // kv_bytes_per_block(
+            loaded_model, bs, config.kv_cache_dtype)
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
                 f"a KV pool of {num_blocks} blocks x {bs} tokens cannot hold one request of max_model_len "
@@ -85,7 +86,7 @@ class Engine:
         scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens, eos_token_ids=frozenset(eos),
                               priority_step_slack=config.priority_step_slack)
-        self._runner = ModelRunner(loaded_model, num_blocks, bs, self.kernels)
+        self._runner = ModelRunner(loaded_model, num_blocks, bs, self.kernels, kv_cache_dtype=config.kv_cache_dtype)
         self._inbox = Inbox()
         self._loop = StepLoop(self._inbox, scheduler, self._runner, loaded_model.tokenizer)
         self._loop.start()
@@ -144,8 +145,15 @@ class Engine:
 
     @property
     def kv_cache(self) -> KVCache:
-        """Per layer (k, v), each (num_blocks, block_size, num_kv_heads, head_dim): for block hooks."""
+        """Per layer (k, v), each (num_blocks, block_size, num_kv_heads, head_dim): for block hooks.
+        With kv_cache_dtype "int8-v" each v is int8 and means nothing without `v_scales`."""
         return self._runner.kv_cache
+
+    @property
+    def v_scales(self) -> VScales:
+        """Per layer (num_blocks, block_size, num_kv_heads) fp16 scales of the int8 V rows; None
+        unless kv_cache_dtype is "int8-v"."""
+        return self._runner.v_scales
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the step loop; requests still in flight fail with EngineStopped."""

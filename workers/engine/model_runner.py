@@ -6,36 +6,50 @@ from __future__ import annotations
 
 import torch
 
-from kernels.contract import PagedBatch
+from kernels.contract import V_SCALE_DTYPE, PagedBatch
 from kernels.ops import Kernels
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 from workers.engine.spec import verify
 from workers.model.attention import AttentionMetadata
-from workers.model.llama import KVCache
+from workers.model.llama import KVCache, VScales
 from workers.model.loader import LoadedModel
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    """K and V of every layer for `block_size` tokens."""
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "model") -> int:
+    """K and V of every layer for `block_size` tokens (EngineConfig.kv_cache_dtype).
+
+    "model": K and V in the model's dtype. "int8-v": K in the model's dtype, V one
+    byte a value plus one fp16 scale per (token, KV head) row (kernels/contract.py):
+    at head_dim 32 and a 16-bit model, 64 + 32 + 2 bytes a row against 128.
+    """
     c = loaded.config
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * loaded.dtype.itemsize
-    return per_token * block_size
+    k_row = c.head_dim * loaded.dtype.itemsize
+    v_row = k_row if kv_cache_dtype == "model" else c.head_dim + V_SCALE_DTYPE.itemsize
+    return c.num_hidden_layers * c.num_key_value_heads * (k_row + v_row) * block_size
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kernels: Kernels) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kernels: Kernels, *,
+                 kv_cache_dtype: str = "model") -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         self.kernels = kernels
         c = loaded.config
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)  # (NB, BS, Hkv, D)
+        mixed = kv_cache_dtype == "int8-v"
+        v_dtype = torch.int8 if mixed else loaded.dtype
         self.kv_cache: KVCache = [
             (torch.zeros(shape, device=loaded.device, dtype=loaded.dtype),
-             torch.zeros(shape, device=loaded.device, dtype=loaded.dtype))
+             torch.zeros(shape, device=loaded.device, dtype=v_dtype))
             for _ in range(c.num_hidden_layers)
         ]
+        # The mixed pool: one scale per V row, (NB, BS, Hkv) per layer. Zeros, not
+        # garbage, so an unwritten slot's V reads as 0 rather than as NaN or inf.
+        self.v_scales: VScales = [
+            torch.zeros(shape[:3], device=loaded.device, dtype=V_SCALE_DTYPE) for _ in range(c.num_hidden_layers)
+        ] if mixed else None
 
     def run(self, batch: ScheduledBatch) -> list[list[int]]:
         """The tokens of each sequence: [] for a prefill chunk that stops short of the
@@ -80,7 +94,7 @@ class ModelRunner:
         )
         with torch.inference_mode():
             hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
-                                meta, self.kv_cache)  # (T, H)
+                                meta, self.kv_cache, self.v_scales)  # (T, H)
             out: dict[int, list[int]] = {}
             if samplers:
                 logits = self.model.compute_logits(hidden[rows])  # (R, V)

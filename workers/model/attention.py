@@ -42,6 +42,7 @@ def paged_attention(
     v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
     meta: AttentionMetadata,
     scale: float,
+    v_scales: torch.Tensor | None = None,  # (NB, BS, Hkv) fp16: the mixed pool, v_cache int8
 ) -> torch.Tensor:  # (T, Hq, D)
     """Store this step's K/V in the pool, then attend each query over its sequence's context.
 
@@ -49,12 +50,15 @@ def paged_attention(
     the batch's longest (kernels.gather_sdpa) would otherwise pad every decode row of a
     mixed batch to the length of its longest prefill chunk.
     """
-    meta.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    kernels = meta.kernels
+    kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, v_scales=v_scales)
     d, b = meta.num_decode_seqs, meta.num_seqs
     if d in (0, b):
-        return meta.kernels.paged_attention(q, k_cache, v_cache, meta.batch, scale)
+        return kernels.paged_attention(q, k_cache, v_cache, meta.batch, scale, v_scales=v_scales)
     split = meta.query_starts[d]  # decodes are rows [0, split), prefills [split, T)
     out = torch.empty_like(q)  # (T, Hq, D)
-    out[:split] = meta.kernels.paged_attention(q[:split], k_cache, v_cache, meta.batch.seqs(0, d), scale)
-    out[split:] = meta.kernels.paged_attention(q[split:], k_cache, v_cache, meta.batch.seqs(d, b), scale)
+    out[:split] = kernels.paged_attention(q[:split], k_cache, v_cache, meta.batch.seqs(0, d), scale,
+                                          v_scales=v_scales)
+    out[split:] = kernels.paged_attention(q[split:], k_cache, v_cache, meta.batch.seqs(d, b), scale,
+                                          v_scales=v_scales)
     return out

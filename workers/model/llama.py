@@ -20,6 +20,8 @@ from workers.model.attention import AttentionMetadata, paged_attention
 from kvfleet.modelconfig import LlamaConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (NB, BS, Hkv, D) each
+#: The mixed pool's V scales, per layer (NB, BS, Hkv) fp16, whose V caches are int8; None otherwise.
+VScales = list[torch.Tensor] | None
 
 
 class RMSNorm(nn.Module):
@@ -88,13 +90,14 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,  # (NB, BS, Hkv, D)
         v_cache: torch.Tensor,  # (NB, BS, Hkv, D)
+        v_scales: torch.Tensor | None = None,  # (NB, BS, Hkv): v_cache is int8
     ) -> torch.Tensor:  # (T, H)
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         q, k = rotary(q, k, positions)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, v_scales)  # (T, Hq, D)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # (T, Hq*D) -> (T, H)
 
 
@@ -126,8 +129,9 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (T, H)
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, k_cache, v_cache)
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, k_cache, v_cache, v_scales)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,10 +149,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # (T,)
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        v_scales: VScales = None,
     ) -> torch.Tensor:  # (T, H)
         x = self.embed_tokens(input_ids)  # (T, H)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
-            x = layer(x, positions, self.rotary_emb, meta, k_cache, v_cache)
+        scales = [None] * len(kv_cache) if v_scales is None else v_scales
+        for layer, (k_cache, v_cache), v_scale in zip(self.layers, kv_cache, scales, strict=True):
+            x = layer(x, positions, self.rotary_emb, meta, k_cache, v_cache, v_scale)
         return self.norm(x)
 
 
@@ -171,8 +177,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (T,)
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        v_scales: VScales = None,
     ) -> torch.Tensor:  # (T, H) final hidden states; `compute_logits` on the rows you need
-        return self.model(input_ids, positions, meta, kv_cache)
+        return self.model(input_ids, positions, meta, kv_cache, v_scales)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, V)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
