@@ -17,7 +17,7 @@ import redis as redis_lib
 
 from kvfleet.constants import Keys
 from kvfleet.contracts import Completion, JobRequest, Priority, Sampling
-from workers.result_cache import ResultCache, determined
+from workers.result_cache import ResultCache, determined, outputs_fingerprint
 
 
 def _job(job_id: str, **sampling) -> JobRequest:
@@ -40,6 +40,20 @@ def cache(cache_redis_url, redis_url, prefix):
 def test_only_determined_outputs_qualify():
     assert determined(_job("a")) and determined(_job("b", temperature=0.8, seed=7))
     assert not determined(_job("c", temperature=0.8))
+
+
+def test_workers_of_another_kv_pool_layout_never_serve_each_others_results(cache_redis_url, redis_url, prefix):
+    """An int8-v pool's outputs may differ from a 16-bit pool's by a token."""
+    def cache_for(kv_cache_dtype: str) -> ResultCache:
+        return ResultCache(redis_lib.Redis.from_url(cache_redis_url), Keys(prefix),
+                           outputs_fingerprint("fp", kv_cache_dtype), ttl_s=60, lock_client=redis_lib.Redis.from_url(redis_url))
+
+    sixteen, mixed = cache_for("model"), cache_for("int8-v")
+    job = _job("a")
+    runs = []
+    assert sixteen.get_or_run(job, "salt", lambda: runs.append(1) or _completion("16-bit"))[0].text == "16-bit"
+    assert mixed.get_or_run(job, "salt", lambda: runs.append(1) or _completion("mixed"))[0].text == "mixed"
+    assert runs == [1, 1]
 
 
 def test_a_burst_of_identical_requests_runs_the_model_once(cache):

@@ -37,6 +37,13 @@ from kvstore.cache import Cache
 log = logging.getLogger("kvfleet.worker")
 
 
+def outputs_fingerprint(model_fingerprint: str, kv_cache_dtype: str) -> str:
+    """What a cached result's output depends on beyond the request: the model, and the
+    KV pool's layout (an int8-v pool's outputs may differ from a 16-bit pool's by a
+    token, so the two must never serve each other's results)."""
+    return f"{model_fingerprint}:kv-{kv_cache_dtype}"
+
+
 def determined(job: JobRequest) -> bool:
     """Its output is fixed by its inputs: greedy, or seeded sampling."""
     return job.sampling.temperature == 0.0 or job.sampling.seed is not None

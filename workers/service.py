@@ -39,7 +39,7 @@ from workers.health import EngineHealth
 from workers.heartbeat import Heartbeat
 from workers.model.loader import load_model
 from workers.prefix import PrefixSharing, PrefixSharingEngine
-from workers.result_cache import ResultCache
+from workers.result_cache import ResultCache, outputs_fingerprint
 from workers.runner import JobRunner
 from workers.streaming import StreamPublisher
 from workers.tasks import register
@@ -97,7 +97,8 @@ def main() -> None:
     tenancy = Tenancy.from_settings(settings)
     results = None
     if settings.worker.result_cache_ttl_s > 0:
-        results = ResultCache(redis.Redis.from_url(settings.redis.cache_url), settings.redis.keys, model.fingerprint,
+        results = ResultCache(redis.Redis.from_url(settings.redis.cache_url), settings.redis.keys,
+                              outputs_fingerprint(model.fingerprint, settings.engine.kv_cache_dtype),
                               ttl_s=settings.worker.result_cache_ttl_s, lock_client=client)
     runner = JobRunner(store, client, generator, model.tokenizer, worker_id=worker_id, stream=stream,
                        draining=draining, cache_salt=tenancy.cache_salt,
