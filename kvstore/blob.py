@@ -204,8 +204,31 @@ class BlobCodec:
     # --- read -----------------------------------------------------------------------
     def open(self, raw: Buffer, block_id: str) -> KVBlob:
         """Validate `raw` as the blob of `block_id`; raises BlobError naming the first failed check."""
+        quant, crc, expires_at = self._check_header(raw, len(raw), block_id)
+        if _checksum(memoryview(raw)) != crc:
+            raise BlobError("checksum", "crc32c mismatch")
+        return KVBlob(self.layout, quant, raw, expires_at, self.kernels)
+
+    def open_parts(self, header: Buffer, payload: Sequence[Buffer], block_id: str) -> float:
+        """Validate a blob read in parts (its header, then its payload straight into the
+        pool's blocks, in layout order): its logical expiry, or BlobError. The bytes are
+        already in place, so a failure means the blocks hold garbage: the caller must
+        not use them (they are recomputed)."""
+        quant, crc, expires_at = self._check_header(header, len(header) + sum(len(p) for p in payload), block_id)
+        if quant is not Quant.NONE:
+            raise BlobError("quantization", "an INT8 blob cannot be read in place")
+        value = crc32c.crc32c(memoryview(header)[:_CHECKED])
+        for part in payload:
+            value = crc32c.crc32c(part, value=value)
+        if value != crc:
+            raise BlobError("checksum", "crc32c mismatch")
+        return expires_at
+
+    def _check_header(self, raw: Buffer, total: int, block_id: str) -> tuple[Quant, int, float]:
+        """Every check but the checksum, on a blob of `total` bytes whose header is at
+        the start of `raw`: its quantization, its stored crc32c and its logical expiry."""
         if len(raw) < HEADER.size:
-            raise BlobError("truncated", f"{len(raw)} bytes, header alone is {HEADER.size}")
+            raise BlobError("truncated", f"{total} bytes, header alone is {HEADER.size}")
         (magic, version, dtype_code, quant_code, layers, bs, hkv, d,
          model, block, payload_len, crc, expires_at) = HEADER.unpack_from(raw)
         if magic != MAGIC:
@@ -224,9 +247,6 @@ class BlobCodec:
             raise BlobError("quantization", f"unknown code {quant_code}")
         if (layers, bs, hkv, d) != (lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim):
             raise BlobError("shape", f"(L, BS, Hkv, D) = {(layers, bs, hkv, d)}, pool has {lay.shape[:1] + lay.shape[2:]}")
-        if payload_len != lay.payload_nbytes(quant) or len(raw) != HEADER.size + payload_len:
-            raise BlobError("truncated", f"{len(raw) - HEADER.size} payload bytes, expected {lay.payload_nbytes(quant)}")
-        view = memoryview(raw)
-        if _checksum(view) != crc:
-            raise BlobError("checksum", "crc32c mismatch")
-        return KVBlob(lay, quant, raw, expires_at, self.kernels)
+        if payload_len != lay.payload_nbytes(quant) or total != HEADER.size + payload_len:
+            raise BlobError("truncated", f"{total - HEADER.size} payload bytes, expected {lay.payload_nbytes(quant)}")
+        return quant, crc, expires_at

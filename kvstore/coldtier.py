@@ -4,13 +4,14 @@
                             a wire buffer, queue it; a writer thread writes batches
                             over a few connections, each sealing (quantize, header,
                             crc32c) what it sends (kvstore/wire.py)
-    fetch  (task thread)    prefetch(hashes): pipelined GETs of a job's missing prefix
-                            while the job waits, validated and staged in host memory
-    admit  (engine thread)  load_staged(hashes, block_ids): the staged leading run
-                            copied into the blocks the engine allocated for them; no
-                            Redis on the step thread, so a running batch never waits
-                            on it (load() does the MGET there, for callers without
-                            a task thread)
+    fetch  (task thread)    fetch_into(hashes, block_ids): pipelined GETs of a job's
+                            missing prefix while the job waits, received straight
+                            into pool blocks the engine set aside for it and validated
+                            there; the engine then adopts them into its hot tier, so
+                            admission finds them cached: no Redis and no copy on the
+                            step thread, and a running batch never waits on a load
+                            (load() does the GETs and the copy there, for callers
+                            without a task thread)
     fleet  (task thread)    ensure_prefix(hashes, prefill, first_missing): when several
                             workers miss the same blocks, one prefills them and writes
                             them, the others wait and then load them
@@ -35,7 +36,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Optional, Sequence, Union
 
@@ -47,7 +47,7 @@ from redis.retry import Retry
 from kernels.ops import Kernels
 from kvfleet.constants import Keys
 from kvstore import metrics
-from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, BlobCodec, KVBlob, KVLayout, Quant
+from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, HEADER, BlobCodec, KVBlob, KVLayout, Quant
 from kvstore.blob import VERSION as BLOB_VERSION
 from kvstore.buffers import BufferPool
 from kvstore.errors import BlobError
@@ -80,23 +80,6 @@ return 0
 """
 
 
-@dataclass
-class _Staged:
-    """A prefetched block, ready to copy in: its 2L tensors (K before V) on the pool's
-    device, in its dtype, and the read buffer they view, held until the last job that
-    staged it is admitted (None when they are a copy: GPU pools, INT8 blobs)."""
-
-    blocks: list[torch.Tensor]  # 2L × (BS, Hkv, D)
-    blob: Optional[KVBlob]
-    uses: int = 0
-
-    @classmethod
-    def of(cls, blob: KVBlob, device: torch.device) -> "_Staged":
-        kv = blob.tensor(device)  # (L, 2, BS, Hkv, D)
-        views_buffer = device.type == "cpu" and blob.quant is Quant.NONE
-        return cls(list(kv.view(-1, *kv.shape[2:]).unbind(0)), blob if views_buffer else None)
-
-
 class PrefixSource(str, Enum):
     COLD = "cold"  # in the cold tier (stored before, or by another worker): load() it
     BUILT = "built"  # this caller ran prefill()
@@ -112,6 +95,11 @@ def connect(url: str, *, timeout_s: float = 1.0) -> redis.Redis:
     """
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                 retry=Retry(NoBackoff(), 1))
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable flat byte view of a contiguous CPU tensor, to receive into."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def hash_id(block_hash: BlockHash) -> str:
@@ -174,6 +162,13 @@ class ColdTier:
         # Loads read into reused buffers too (kvstore/wire.py says why), up to
         # READ_BUFFERS_BYTES of them kept idle; a blob of another size gets a fresh one.
         self._read_buffers = BufferPool(self.blob_nbytes, keep=max(4, READ_BUFFERS_BYTES // self.blob_nbytes))
+        # A CPU pool's 2L tensors as flat bytes, sliced per block to receive into (fetch_into).
+        caches = [cache for pair in kv_caches for cache in pair]  # K before V, layer by layer
+        if caches[0].device.type == "cpu" and all(c.is_contiguous() for c in caches):
+            self._pool_bytes: Optional[list[memoryview]] = [_byte_view(c) for c in caches]
+            self._block_part_bytes = caches[0][0].numel() * caches[0].element_size()  # (BS, Hkv, D) of one
+        else:
+            self._pool_bytes = None
         self.flight = SingleFlight(
             lock_client or client, name="kv_prefix", lock_ttl_s=lock_ttl_s,
             wait_timeout_s=wait_timeout_s, poll_s=poll_s, early_refresh_beta=0.0, use_lock=use_lock,
@@ -192,9 +187,6 @@ class ColdTier:
         self._fetching = threading.Lock()
         #: XFetch's β for the early refresh of popular prefixes (kvstore/expiry.py).
         self.refresh_beta = refresh_beta
-        # Blobs prefetched for jobs about to be admitted: hash -> [blob, jobs using it].
-        self._staged: dict[str, _Staged] = {}
-        self._staged_lock = threading.Lock()
         # The first missing block of each prefix ensure_prefix is building here: the
         # key its waiters look for, so write() stores it after the rest.
         self._building: dict[str, int] = {}
@@ -308,10 +300,7 @@ class ColdTier:
 
         The blobs' buffers are the tier's to reuse: `release` them once copied in.
         """
-        if not block_hashes:
-            return []
         ids = [hash_id(h) for h in block_hashes]
-        keys = [self.keys.kv_block(self.namespace, i) for i in ids]
 
         def check(i: int, raw: Optional[bytearray]) -> tuple[Optional[bytearray], Union[KVBlob, BlobError, None]]:
             # In the reading thread: block i's crc32c runs while the next block arrives.
@@ -322,33 +311,96 @@ class ColdTier:
             except BlobError as exc:
                 return raw, exc
 
-        blobs: list[KVBlob] = []
-        rejected: list[str] = []
-        with self._fetching:
-            found = self._reader.get_many(keys, check, take=self._take_read_buffer,
-                                          connections=len(keys) * self.blob_nbytes // BYTES_PER_CONNECTION)
-        for key, (_, blob) in zip(keys, found):
-            if blob is None:
-                break
-            if isinstance(blob, BlobError):
-                metrics.KV_REJECTED.labels(blob.reason).inc()
-                log.warning("rejected a cold-tier blob; deleting it", extra={"key": key, "reason": str(blob)})
-                rejected.append(key)
-                break
-            blobs.append(blob)
-        for raw, _ in found[len(blobs):]:  # after a hole, or rejected: never loaded
+        found = self._get(ids, check, lambda _i, n: self._take_read_buffer(n))
+        n = self._leading_run(ids, [(b.expires_at if isinstance(b, KVBlob) else b, b.nbytes if isinstance(b, KVBlob) else 0)
+                                    for _, b in found], rebuild_s)
+        for raw, _ in found[n:]:  # after a hole, or rejected: never loaded
             if raw is not None:
                 self._read_buffers.give(raw)
+        return [blob for _, blob in found[:n]]
+
+    def fetch_into(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], *,
+                   rebuild_s: float = 0.0) -> tuple[int, int]:
+        """Read the leading run of `block_hashes` straight into pool blocks `block_ids`
+        (one each, held by the caller and by nobody else, so no step reads or writes
+        them meanwhile): how many of the leading blocks now hold valid K/V, and the bytes
+        read. For the job's task thread: the engine then adopts the blocks into its
+        hot tier (BlockManager.adopt), so admission finds them cached and copies nothing.
+
+        On a CPU pool an unquantized blob's payload is received in place, 2L parts into
+        the 2L tensors of its block, and validated there (a block that fails holds
+        garbage, and is not counted: the caller frees it). Other blobs (INT8, or a GPU
+        pool) are read into a buffer, validated and dequantized, and copied in here.
+        Expiry, refresh and rejection are as for `fetch`."""
+        ids = [hash_id(h) for h in block_hashes]
+        if len(block_ids) < len(ids):
+            raise ValueError(f"{len(block_ids)} blocks for {len(ids)} hashes")
+        device = self.kv_caches[0][0].device
+        in_place = self._pool_bytes is not None
+
+        def take(i: int, nbytes: int) -> Union[bytearray, list]:
+            if in_place and nbytes == self.codec.raw_nbytes:  # this layout, unquantized
+                lo = block_ids[i] * self._block_part_bytes
+                return [bytearray(HEADER.size), *(pool[lo:lo + self._block_part_bytes] for pool in self._pool_bytes)]
+            return self._take_read_buffer(nbytes)
+
+        def check(i: int, value: Union[bytearray, list, None]) -> tuple[Union[float, BlobError, None], int]:
+            if value is None:
+                return None, 0
+            try:
+                if isinstance(value, list):
+                    return self.codec.open_parts(value[0], value[1:], ids[i]), self.codec.raw_nbytes
+                blob = self.codec.open(value, ids[i])
+                try:
+                    self.copy_in([blob], [block_ids[i]])
+                finally:
+                    self.release([blob])
+                return blob.expires_at, blob.nbytes
+            except BlobError as exc:
+                if not isinstance(value, list):
+                    self._read_buffers.give(value)
+                return exc, 0
+
+        found = self._get(ids, check, take)
+        if not in_place and found and device.type == "cuda":
+            torch.cuda.synchronize(device)  # the copies are done before the engine reads the blocks
+        n = self._leading_run(ids, found, rebuild_s)
+        return n, sum(nbytes for _, nbytes in found[:n])
+
+    def _get(self, ids: list[str], check: Callable, take: Callable) -> list:
+        if not ids:
+            return []
+        keys = [self.keys.kv_block(self.namespace, i) for i in ids]
+        with self._fetching:
+            return self._reader.get_many(keys, check, take=take,
+                                         connections=len(keys) * self.blob_nbytes // BYTES_PER_CONNECTION)
+
+    def _leading_run(self, ids: list[str], found: Sequence[tuple[Union[float, BlobError, None], int]],
+                     rebuild_s: float) -> int:
+        """How many of the read blocks, from the first, are valid (`found`: each one's
+        logical expiry, BlobError or None, and its bytes); deletes a rejected blob, lets
+        one reader extend a stale run, and counts it all."""
+        keys = [self.keys.kv_block(self.namespace, i) for i in ids]
+        n, rejected = 0, []
+        for key, (outcome, _) in zip(keys, found):
+            if outcome is None:
+                break
+            if isinstance(outcome, BlobError):
+                metrics.KV_REJECTED.labels(outcome.reason).inc()
+                log.warning("rejected a cold-tier blob; deleting it", extra={"key": key, "reason": str(outcome)})
+                rejected.append(key)
+                break
+            n += 1
         refresh: list[str] = []
-        if blobs:
-            now, expires_at = time.time(), min(blob.expires_at for blob in blobs)
+        if n:
+            now, expires_at = time.time(), min(outcome for outcome, _ in found[:n])
             if now >= expires_at or xfetch_due(now, expires_at, rebuild_s, self.refresh_beta):
-                refresh = self._refresh(ids[len(blobs) - 1], keys[:len(blobs)])
+                refresh = self._refresh(ids[n - 1], keys[:n])
         self._repair(rejected, refresh)
-        metrics.KV_LOOKUP_BLOCKS.labels("hit").inc(len(blobs))
-        metrics.KV_LOOKUP_BLOCKS.labels("miss").inc(len(ids) - len(blobs))
-        metrics.KV_LOADED_BYTES.inc(sum(blob.nbytes for blob in blobs))
-        return blobs
+        metrics.KV_LOOKUP_BLOCKS.labels("hit").inc(n)
+        metrics.KV_LOOKUP_BLOCKS.labels("miss").inc(len(ids) - n)
+        metrics.KV_LOADED_BYTES.inc(sum(nbytes for _, nbytes in found[:n]))
+        return n
 
     def _take_read_buffer(self, nbytes: int) -> bytearray:
         return self._read_buffers.take() if nbytes == self._read_buffers.nbytes else bytearray(nbytes)
@@ -382,63 +434,10 @@ class ColdTier:
             pipe.exists(self.key(h))
         return sum(1 for _ in itertools.takewhile(bool, pipe.execute()))
 
-    # --- prefetch: Redis off the step thread ------------------------------------------
     @property
     def blob_nbytes(self) -> int:
         """Bytes of one stored block (header included), as this worker writes them."""
         return self.codec.raw_nbytes - self.layout.payload_nbytes(Quant.NONE) + self.layout.payload_nbytes(self.codec.quant)
-
-    def prefetch(self, block_hashes: Sequence[BlockHash], *, rebuild_s: float = 0.0) -> tuple[list[str], int]:
-        """Fetch the leading run of `block_hashes` now (in the caller's thread) and stage
-        it for `load_staged`: the staged hash ids, to `unstage` once the job is admitted,
-        and the bytes fetched.
-
-        What can be done before admission is done here, off the step thread: an INT8
-        blob is dequantized, a GPU pool's blocks are copied to the device, and each
-        block is split into the 2L tensors the admission copies from."""
-        blobs = self.fetch(block_hashes, rebuild_s=rebuild_s)
-        ids = [hash_id(h) for h in block_hashes[:len(blobs)]]
-        device = self.kv_caches[0][0].device
-        prepared = [_Staged.of(blob, device) for blob in blobs]
-        spare = [blob for blob, entry in zip(blobs, prepared) if entry.blob is None]  # copied out already
-        with self._staged_lock:
-            for block, entry in zip(ids, prepared):
-                kept = self._staged.setdefault(block, entry)
-                kept.uses += 1
-                if kept is not entry and entry.blob is not None:  # staged by another job: one is enough
-                    spare.append(entry.blob)
-        self.release(spare)
-        return ids, sum(blob.nbytes for blob in blobs)
-
-    def unstage(self, ids: Sequence[str]) -> None:
-        """Drop one use of each staged block; the last use frees its buffer for reuse."""
-        freed = []
-        with self._staged_lock:
-            for block in ids:
-                entry = self._staged.get(block)
-                if entry is not None:
-                    entry.uses -= 1
-                    if entry.uses <= 0:
-                        del self._staged[block]
-                        if entry.blob is not None:
-                            freed.append(entry.blob)
-        self.release(freed)
-
-    def load_staged(self, block_hashes: Sequence[BlockHash], block_ids: Callable[[int], Sequence[int]]) -> int:
-        """Like `load`, from what `prefetch` staged only: memory copies, no Redis."""
-        started = time.perf_counter()
-        with self._staged_lock:
-            entries = list(itertools.takewhile(bool, (self._staged.get(hash_id(h)) for h in block_hashes)))
-            held = [hash_id(h) for h in block_hashes[:len(entries)]]
-            for entry in entries:  # a use of our own while copying: another job's unstage cannot free them
-                entry.uses += 1
-        try:
-            if entries:
-                self._copy_blocks([e.blocks for e in entries], block_ids(len(entries)))
-                metrics.KV_LOAD_SECONDS.observe(time.perf_counter() - started)
-        finally:
-            self.unstage(held)
-        return len(entries)
 
     def copy_in(self, blobs: Sequence[KVBlob], block_ids: Sequence[int]) -> None:
         """Copy each blob into its block of the pool."""

@@ -36,13 +36,13 @@ class MissingBlockLike(Protocol):
 
 
 class ColdTierHooks:
-    def __init__(self, tier: Optional[ColdTier] = None, *, staged_only: bool = False) -> None:
+    def __init__(self, tier: Optional[ColdTier] = None, *, prefetch_only: bool = False) -> None:
         #: None until the pool exists (see the module docstring): the hooks then do nothing.
         self.tier = tier
-        #: Load only what a job's task thread prefetched (ColdTier.prefetch): the step
-        #: thread then never waits on Redis. The worker sets it, as its shared-prefix
-        #: step prefetches every job's cold prefix (workers/prefix.py).
-        self.staged_only = staged_only
+        #: Load nothing at admission: every job's task thread fetched its cold prefix
+        #: into blocks the engine adopted before (ColdTier.fetch_into, workers/prefix.py),
+        #: so the step thread never waits on Redis. The worker sets it.
+        self.prefetch_only = prefetch_only
 
     def on_evict(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: Optional[str], block_id: int) -> None:
         # token_ids and parent_hash are already folded into the chained block_hash,
@@ -51,11 +51,9 @@ class ColdTierHooks:
             self.tier.spill(block_hash, block_id)  # copies now, writes on the spill thread
 
     def on_admit(self, missing: Sequence[MissingBlockLike]) -> int:
-        if self.tier is None:
+        if self.tier is None or self.prefetch_only:
             return 0
         hashes, block_ids = [m.block_hash for m in missing], (lambda n: [m.block_id for m in missing[:n]])
-        if self.staged_only:
-            return self.tier.load_staged(hashes, block_ids)
         try:
             return self.tier.load(hashes, block_ids)
         except redis.RedisError:

@@ -42,8 +42,10 @@ import redis
 T = TypeVar("T")
 I = TypeVar("I")
 Buffer = Union[bytes, bytearray, memoryview]
-#: `take(n)`: a writable buffer of exactly n bytes for a value about to be read.
-Take = Callable[[int], bytearray]
+#: `take(i, n)`: where key i's value of n bytes goes: one writable buffer of exactly n
+#: bytes, or several whose lengths add up to n, filled in order (a blob's header into a
+#: small buffer, its payload straight into the engine's pool blocks).
+Take = Callable[[int, int], Union[bytearray, list]]
 _HEADER_CHUNK = 1 << 16
 _CRLF = b"\r\n"
 
@@ -131,7 +133,7 @@ class _Reader:
             raise redis.ConnectionError(f"unexpected reply to SET: {line[:32]!r}")
         return line[1:]
 
-    def bulk(self, take: Take) -> Optional[bytearray]:
+    def bulk(self, take: Take, i: int) -> Union[bytearray, list, None]:
         line = self._line()
         kind = line[:1]
         if kind == b"-":
@@ -143,9 +145,10 @@ class _Reader:
         length = int(line[1:])
         if length < 0:
             return None
-        value = take(length)
-        with memoryview(value) as view:
-            self._into(view)
+        value = take(i, length)
+        for part in value if isinstance(value, list) else [value]:
+            with memoryview(part) as view:
+                self._into(view.cast("B"))
         crlf = bytearray(2)
         self._into(memoryview(crlf))
         if crlf != _CRLF:
@@ -182,15 +185,15 @@ class Wire:
         self.connections = max(1, connections)
         self._pool = ThreadPoolExecutor(max_workers=self.connections, thread_name_prefix="kv-wire")
 
-    def get_many(self, keys: Sequence[str], check: Callable[[int, Optional[bytearray]], T], *,
-                 take: Take = bytearray, connections: Optional[int] = None) -> list[T]:
-        """`check(i, value)` for each key in order (value None where missing), run in the
-        thread that read it; `take(n)` gives the buffer each value is read into;
-        `connections` (at most the Wire's) for a caller that knows the values are small."""
+    def get_many(self, keys: Sequence[str], check: Callable[[int, Union[bytearray, list, None]], T], *,
+                 take: Take = lambda _i, n: bytearray(n), connections: Optional[int] = None) -> list[T]:
+        """`check(i, value)` for each key in order (value None where missing, else what
+        `take` gave, filled), run in the thread that read it; `connections` (at most the
+        Wire's) for a caller that knows the values are small."""
         def run(first: int, chunk: Sequence[str], sock: socket.socket, fast: bool) -> list[T]:
             _send(sock, [b"".join(b"*2\r\n$3\r\nGET\r\n%s%s\r\n" % (_bulk(k.encode()), k.encode()) for k in chunk)], False)
             reader = _Reader(sock, fast)
-            out = [check(first + i, reader.bulk(take)) for i in range(len(chunk))]
+            out = [check(first + i, reader.bulk(take, first + i)) for i in range(len(chunk))]
             reader.expect_drained()
             return out
 

@@ -39,8 +39,8 @@ INT8_LOGIT_ATOL = 0.05  # tiny model, logits of O(1..10): INT8 K/V moves them by
 
 
 def _engine(url: str, prefix: str, quant: Quant, num_blocks: int, lock_url: str | None = None, *,
-            staged_only: bool = False) -> tuple[Engine, ColdTier]:
-    hooks = ColdTierHooks(staged_only=staged_only)
+            prefetch_only: bool = False) -> tuple[Engine, ColdTier]:
+    hooks = ColdTierHooks(prefetch_only=prefetch_only)
     engine = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=num_blocks, max_model_len=512), hooks=hooks)
     lock_client = redis.Redis.from_url(lock_url) if lock_url else None  # as in production: locks on the state instance
     hooks.tier = ColdTier(connect(url), Keys(prefix), engine.block_manager.fingerprint, engine.kv_cache,
@@ -121,17 +121,45 @@ def test_prefix_spilled_by_one_process_is_loaded_by_another(cache_redis_url, pre
         tier.close()
 
 
+@pytest.mark.parametrize("quant", [Quant.NONE, Quant.INT8])
+def test_a_prefix_fetched_into_the_pool_by_the_task_thread_gives_the_same_tokens_and_logits(
+        cache_redis_url, prefix, quant):
+    """The worker's path: the job's task thread reads the cold prefix straight into pool
+    blocks (fp16/fp32 in place; INT8 through a buffer, dequantized) and the engine adopts
+    them; the job then finds them hot."""
+    cold_run = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=64, max_model_len=512))
+    expected = cold_run.generate("cold", PROMPT, 16).tokens
+    expected_logits = _last_logits(cold_run, PROMPT)
+    cold_run.shutdown()
+    _run_in_process(_spill_worker, cache_redis_url, prefix, quant.value)
+
+    engine, tier = _engine(cache_redis_url, prefix, quant, num_blocks=64, prefetch_only=True)
+    try:
+        generator = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1.0))
+        result = generator.generate("warm", PROMPT, 16, Sampling())
+        assert result.tokens == expected and result.cached_tokens == 12 * 16
+        assert engine.stats().prompt_tokens_computed == len(PROMPT) - 12 * 16
+        logits = _last_logits(engine, PROMPT)
+        if quant is Quant.NONE:
+            assert torch.equal(logits, expected_logits)
+        else:
+            assert torch.allclose(logits, expected_logits, atol=INT8_LOGIT_ATOL), (logits - expected_logits).abs().max()
+    finally:
+        engine.shutdown()
+        tier.close()
+
+
 def _sharing_worker(url: str, state_url: str, prefix: str, results, barrier, suffix: list[int]) -> None:
-    """One worker process as the service builds it: staged-only hooks, the prefix step
+    """One worker process as the service builds it: prefetch-only hooks, the prefix step
     before the job."""
     torch.set_num_threads(1)
-    engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url, staged_only=True)
+    engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url, prefetch_only=True)
     sharing = PrefixSharing(engine, tier, min_blocks=4)
     prompt = SHARED + suffix
     barrier.wait()  # all processes ask at the same moment
     prepared = sharing.prepare("job", prompt)
     tokens = engine.generate("job", prompt, 8).tokens
-    tier.unstage(prepared.staged)
+    engine.call_soon(lambda: engine.block_manager.release(prepared.held)).result()
     results.put((prepared.source.value if prepared.source else None, engine.stats().prompt_tokens_computed,
                  len(prompt), tokens))
     engine.shutdown()
@@ -196,7 +224,7 @@ def _service_worker(url: str, state_url: str, prefix: str, results, barrier, suf
     """One worker process's generate path as workers/service.py builds it
     (PrefixSharingEngine): a builder's prefill is the job itself."""
     torch.set_num_threads(1)
-    engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url, staged_only=True)
+    engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url, prefetch_only=True)
     sharing = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4))
     prompt = SHARED + suffix
     waiters = tier.prefix_waiters
@@ -234,7 +262,7 @@ def test_a_prompt_nobody_waits_for_is_prefilled_once_and_not_written(cache_redis
     """The common case: a long prompt no other request shares. Its builder is alone on
     the flight's lock, so it writes nothing to the cold tier (spills of evicted blocks
     still go there) and computes the prompt once."""
-    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, lock_url=redis_url, staged_only=True)
+    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, lock_url=redis_url, prefetch_only=True)
     try:
         sharing = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4))
         out = sharing.generate("alone", PROMPT, 4, Sampling())
@@ -253,16 +281,19 @@ def _spilled_prompt(cache_redis_url: str, prefix: str) -> None:
 
 def test_cold_blocks_are_fetched_by_the_task_thread_and_the_step_thread_never_waits_on_redis(cache_redis_url, prefix):
     _spilled_prompt(cache_redis_url, prefix)
-    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, staged_only=True)
+    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, prefetch_only=True)
     client = _ThreadLog.from_url(cache_redis_url)
     client.threads = []
     tier.client = client
     try:
         generator = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1.0))
         result = generator.generate("warm", PROMPT, 4, Sampling())
-        assert result.cached_tokens == 12 * 16 and engine.stats().outside_cache_hits == 12
+        # Fetched into blocks the engine adopted: admission found them in the hot tier.
+        assert result.cached_tokens == 12 * 16 and engine.stats().outside_cache_hits == 0
         assert client.threads and "kvfleet-engine" not in client.threads, client.threads
-        assert tier._staged == {}  # released once admitted
+        blocks = engine.block_manager
+        held = engine.call_soon(lambda: [b.block_id for b in blocks.blocks if b.ref_count]).result()
+        assert held == []  # released once admitted (the job has ended too)
     finally:
         engine.shutdown()
         tier.close()
@@ -272,12 +303,12 @@ def test_a_prefix_that_is_sooner_recomputed_than_loaded_is_recomputed(cache_redi
     """On a GPU an 8B model prefills faster than a ~1 GB/s tier loads its KV: the decision
     recomputes. Here the prefill rate is set so that recomputing wins."""
     _spilled_prompt(cache_redis_url, prefix)
-    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, staged_only=True)
+    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64, prefetch_only=True)
     try:
         sharing = PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1e15)
         before = REGISTRY.get_sample_value("kvfleet_kv_cold_decisions_total", {"decision": "recompute"}) or 0
         prepared = sharing.prepare("fast-gpu", PROMPT)
-        assert prepared.decision == "recompute" and prepared.staged == []
+        assert prepared.decision == "recompute" and prepared.held == []
         assert REGISTRY.get_sample_value("kvfleet_kv_cold_decisions_total", {"decision": "recompute"}) == before + 1
         result = PrefixSharingEngine(engine, sharing).generate("fast-gpu", PROMPT, 4, Sampling())
         assert result.cached_tokens == 0 and engine.stats().outside_cache_hits == 0

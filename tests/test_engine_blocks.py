@@ -129,3 +129,25 @@ def test_cache_namespaces_share_no_blocks():
     assert manager.prefix_hashes(tokens, salt_a) != manager.prefix_hashes(tokens, salt_b)
     assert manager.prefix_hashes(tokens, salt_a)[:2] == [manager.blocks[b].hash for b in
                                                          manager.cached_block_ids(manager.prefix_hashes(tokens, salt_a))]
+
+
+def test_reserved_blocks_filled_from_outside_are_adopted_as_cached_and_held_until_released():
+    manager = BlockManager(8, BS, "fp")
+    prompt = list(range(13))  # 3 full blocks before the last token
+    hashes = manager.prefix_hashes(prompt)
+    ids = manager.reserve(3)
+    assert len(ids) == 3 and manager.num_free_blocks == 5
+    assert manager.reserve(100) and manager.num_free_blocks == 0  # never more than the pool has free
+    manager.release([b for b in range(8) if b not in ids])
+    # Blocks 0 and 1 came in valid; block 2 did not, and is freed unpublished.
+    manager.adopt([(ids[j], hashes[j], hashes[j - 1] if j else None, tuple(prompt[j * BS:(j + 1) * BS]))
+                   for j in range(2)])
+    manager.release(ids[2:])
+    s = seq(prompt)
+    assert manager.can_allocate(s)
+    manager.allocate(s)
+    assert s.block_table[:2] == ids[:2] and s.num_computed_tokens == 2 * BS  # found cached
+    assert manager.blocks[ids[0]].ref_count == 2  # still held by the loader too
+    manager.release(ids[:2])  # the loader lets go once the job is admitted
+    manager.deallocate(s)
+    assert manager.num_free_blocks == 8 and set(manager.free_hashed) >= set(ids[:2])  # cached for the next one

@@ -129,36 +129,41 @@ def test_loads_read_into_reused_buffers_and_each_block_lands_where_it_belongs(ma
         assert torch.equal(block_of(dst, b), block_of(src, a))
 
 
-def test_a_block_staged_by_two_jobs_stays_until_both_are_done_and_admission_takes_a_use(make_tier):
-    src = make_pool(seed=4)
-    store(make_tier(src), HASHES[:2], [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fetch_into_receives_blocks_in_place_up_to_the_first_hole(make_tier, dtype):
+    src = make_pool(dtype, seed=4)
+    store(make_tier(src), [HASHES[0], HASHES[1], HASHES[3]], [0, 1, 3])  # HASHES[2] missing
+    dst = make_pool(dtype, zeros=True)
+    tier = make_tier(dst, connections=2)
+    landed, nbytes = tier.fetch_into(HASHES[:4], [4, 5, 6, 7])
+    assert (landed, nbytes) == (2, 2 * tier.blob_nbytes)
+    for got, want in [(4, 0), (5, 1)]:
+        assert torch.equal(block_of(dst, got), block_of(src, want))
+    assert len(tier._read_buffers._free) == 0  # in place: no read buffer at all
+
+
+def test_fetch_into_a_corrupt_blob_is_not_counted_and_is_deleted(make_tier, cache_client):
+    src = make_pool(seed=7)
+    writer = make_tier(src)
+    store(writer, HASHES[:2], [0, 1])
+    key = writer.key(HASHES[1])
+    cache_client.setrange(key, HEADER.size + 100, b"\xff\xfe")  # payload bytes: only the checksum can tell
     dst = make_pool(zeros=True)
     tier = make_tier(dst)
-    a, _ = tier.prefetch(HASHES[:2])
-    b, _ = tier.prefetch(HASHES[:1])
-    assert tier._staged[HASHES[0]].uses == 2 and tier._staged[HASHES[1]].uses == 1
-    assert len(tier._read_buffers._free) == 1  # b's copy of HASHES[0]: one staged copy is enough
-    assert tier.load_staged(HASHES[:2], lambda n: [2, 3][:n]) == 2
-    assert tier._staged[HASHES[0]].uses == 2  # the admission's own use is given back
-    tier.unstage(a)
-    assert list(tier._staged) == [HASHES[0]]  # b still holds it
-    assert tier.load_staged(HASHES[:2], lambda n: [4, 5][:n]) == 1
-    tier.unstage(b)
-    assert tier._staged == {} and len(tier._read_buffers._free) == 3  # the last use freed the buffers
-    for got, want in [(2, 0), (3, 1), (4, 0)]:
-        assert torch.equal(block_of(dst, got), block_of(src, want))
+    before = metric("kvfleet_kv_cold_rejected_blobs_total", reason="checksum")
+    assert tier.fetch_into(HASHES[:2], [4, 5]) == (1, tier.blob_nbytes)
+    assert metric("kvfleet_kv_cold_rejected_blobs_total", reason="checksum") == before + 1
+    assert not cache_client.exists(key)
+    assert torch.equal(block_of(dst, 4), block_of(src, 0))
 
 
-def test_an_int8_prefetch_is_dequantized_before_admission_and_its_buffer_reused_at_once(make_tier):
+def test_an_int8_blob_is_fetched_through_a_buffer_and_dequantized_into_its_block(make_tier):
     src = make_pool(seed=6)
     store(make_tier(src, quant=Quant.INT8), HASHES[:2], [0, 1])
     dst = make_pool(zeros=True)
     tier = make_tier(dst)  # reads INT8 blobs whatever it writes
-    staged, _ = tier.prefetch(HASHES[:2])
-    assert all(tier._staged[h].blob is None for h in staged)  # dequantized here, off the step thread
-    assert len(tier._read_buffers._free) == 0  # INT8 blobs are not this tier's size: fresh buffers, not pooled
-    assert tier.load_staged(HASHES[:2], lambda n: [4, 5][:n]) == 2
-    tier.unstage(staged)
+    landed, _ = tier.fetch_into(HASHES[:2], [4, 5])
+    assert landed == 2
     for got, want in [(4, 0), (5, 1)]:
         x, y = block_of(src, want).float(), block_of(dst, got).float()
         assert ((y - x).abs() <= x.abs().amax(dim=-1, keepdim=True) / 254 + x.abs() * 2**-10 + 1e-6).all()

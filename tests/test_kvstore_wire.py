@@ -59,7 +59,7 @@ def test_set_many_writes_every_size_over_several_connections_and_reads_back_into
         assert 0 < client.pttl(items[0][0]) <= 60_000
         given = []
 
-        def take(n):
+        def take(i, n):
             given.append(bytearray(n))
             return given[-1]
 
@@ -100,3 +100,20 @@ def test_a_server_that_stops_answering_times_out_as_the_clients_socket_timeout_s
         admin.client_unpause()
         wire.close()
     assert len(Wire(client, 1).get_many([f"{prefix}:big"], lambda i, raw: raw)[0]) == 2**20
+
+
+def test_a_value_can_be_read_in_parts_into_several_buffers(cache_redis_url, prefix):
+    client = redis_lib.Redis.from_url(cache_redis_url)
+    value = os.urandom(3 * 2**20 + 7)
+    client.set(f"{prefix}:parts", value)
+    client.set(f"{prefix}:whole", b"abc")
+    wire = Wire(client, connections=1)
+    try:
+        def take(i, n):  # the first value in three parts, the second whole
+            return [bytearray(80), bytearray(2**20), bytearray(n - 80 - 2**20)] if i == 0 else bytearray(n)
+
+        parts, whole = wire.get_many([f"{prefix}:parts", f"{prefix}:whole"], lambda i, v: v, take=take)
+        assert b"".join(parts) == value and [len(p) for p in parts] == [80, 2**20, len(value) - 80 - 2**20]
+        assert whole == b"abc"
+    finally:
+        wire.close()

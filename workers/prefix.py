@@ -20,12 +20,14 @@ Before a job reaches the engine, in the job's own task thread (never the step th
    nothing written when the lock is released, takes the lock and prefills itself: at
    worst twice, never once per caller;
 3. if blocks are cold, asks `FetchDecision` (kvstore/decision.py) whether loading them
-   is sooner than recomputing them here, and if so fetches and validates them now,
-   staged in host memory, for the engine's admission hook to copy in (no Redis on the
-   step thread, so a running batch never waits on a load).
+   is sooner than recomputing them here, and if so fetches them now straight into pool
+   blocks the engine sets aside for them (`BlockManager.reserve`), validates them
+   there, and has the engine adopt the valid ones into its hot tier
+   (`BlockManager.adopt`): the job's admission finds them cached. No Redis and no copy
+   on the step thread, so a running batch never waits on a load.
 
-The staged blobs are dropped when the job's first token arrives (its admission is
-over by then) or when it ends.
+The adopted blocks stay held until the job's first token arrives (its admission is
+over by then) or it ends, so no other allocation evicts them first.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Prepared:
     """What `prepare` did for one job."""
 
     source: Optional[PrefixSource] = None  # the single flight ran: built here, or found cold
-    staged: list[str] = field(default_factory=list)  # hash ids prefetched for its admission
+    held: list[int] = field(default_factory=list)  # pool blocks loaded for it, held until admitted
     decision: Optional[str] = None  # "load" | "recompute", when part of the prefix was cold
 
 
@@ -70,8 +72,9 @@ class PrefixSharing:
 
     def prepare(self, job_id: str, prompt: Sequence[int], cache_salt: str | None = None, *,
                 submit: Optional[Submit] = None) -> Prepared:
-        """Make the prompt's prefix ready (see the module docstring); `staged` are to be
-        `tier.unstage`d once the job is admitted. The hashes are those of the job's
+        """Make the prompt's prefix ready (see the module docstring); `held` blocks are
+        to be released (`BlockManager.release`, on the step thread) once the job is
+        admitted. The hashes are those of the job's
         cache namespace, so the flight never tells a job that another tenant prefilled
         the same prompt. With `submit`, a builder's prefill is the job itself:
         `submit(on_token)` submits it (the caller keeps its handle); without, the
@@ -103,11 +106,32 @@ class PrefixSharing:
             return Prepared(source)
         if not self.decision.should_load(cold):
             return Prepared(source, decision="recompute")
-        started = time.perf_counter()
-        staged, nbytes = self.tier.prefetch(hashes[hot:hot + cold], rebuild_s=self.decision.recompute_seconds(cold) or 0.0)
-        if nbytes:
-            self.decision.observe_fetch(nbytes, time.perf_counter() - started)
-        return Prepared(source, staged, "load")
+        return Prepared(source, self._load(prompt, hashes, cache_salt, hot, cold), "load")
+
+    def _load(self, prompt: Sequence[int], hashes: list[str], cache_salt: str | None, hot: int, cold: int) -> list[int]:
+        """Fetch the cold run straight into pool blocks set aside for it, and have the
+        engine adopt those that came in valid: the job's admission then finds them in
+        the hot tier. The blocks stay held (so no other allocation evicts them before
+        the job is admitted); the caller releases them."""
+        blocks, bs = self.engine.block_manager, self.engine.block_manager.block_size
+        ids = self.engine.call_soon(lambda: blocks.reserve(cold)).result()  # on the step thread, between steps
+        landed = 0
+        try:
+            started = time.perf_counter()
+            landed, nbytes = self.tier.fetch_into(hashes[hot:hot + len(ids)], ids,
+                                                  rebuild_s=self.decision.recompute_seconds(cold) or 0.0)
+            if nbytes:
+                self.decision.observe_fetch(nbytes, time.perf_counter() - started)
+        finally:
+            filled = [(ids[j], hashes[hot + j], hashes[hot + j - 1] if hot + j else cache_salt,
+                       tuple(prompt[(hot + j) * bs:(hot + j + 1) * bs])) for j in range(landed)]
+
+            def publish() -> None:
+                blocks.adopt(filled)
+                blocks.release(ids[landed:])  # not filled, or invalid: free again
+
+            self.engine.call_soon(publish).result()
+        return ids[:landed]
 
     def _prefill_and_store(self, job_id: str, prompt: Sequence[int], hashes: list[str],
                            cache_salt: str | None, *, cold_run: tuple[int, int]) -> None:
@@ -145,7 +169,7 @@ class PrefixSharingEngine:
     def generate(self, request_id: str, prompt_tokens: Sequence[int], max_new_tokens: int, sampling: Sampling, *,
                  priority_rank: int = 1, stop: tuple[str, ...] = (), on_token: Callable[[int], None] | None = None,
                  cache_salt: str | None = None):
-        staged: list[str] = []
+        held: list[int] = []
         submitted: list[RequestHandle] = []  # the job, if the prefix step submitted it (as the builder)
 
         def submit(hook: Callable[[int], None]) -> RequestHandle:
@@ -160,22 +184,24 @@ class PrefixSharingEngine:
             return submitted[0]
 
         try:
-            staged = self.sharing.prepare(request_id, prompt_tokens, cache_salt, submit=submit).staged
+            held = self.sharing.prepare(request_id, prompt_tokens, cache_salt, submit=submit).held
         except Exception:  # noqa: BLE001 - the cold tier is an optimisation: never fail a job for it
             log.warning("shared-prefix step failed; prefilling locally", extra={"job_id": request_id}, exc_info=True)
         if submitted:  # built here: the job runs already (whatever happened to the write after)
             return submitted[0].result()
-        release = _Once(lambda: self.sharing.tier.unstage(staged))
+        blocks = self.engine.block_manager
+        # At the first token (the step thread: queue it, never wait) or at the end.
+        release = _Once((lambda: self.engine.call_soon(lambda: blocks.release(held))) if held else (lambda: None))
 
         def first_token(token: int) -> None:
-            release()  # admitted: the staged blocks are in the pool now (or were not wanted)
+            release()  # admitted: the job holds the blocks it found cached now
             if on_token is not None:
                 on_token(token)
 
         try:
             return self.engine.generate(request_id, prompt_tokens, max_new_tokens, sampling,
                                         priority_rank=priority_rank, stop=stop,
-                                        on_token=first_token if staged or on_token else None, cache_salt=cache_salt)
+                                        on_token=first_token if held or on_token else None, cache_salt=cache_salt)
         finally:
             release()
 

@@ -67,7 +67,7 @@ def main() -> None:
     started_at = time.time()
 
     model = load_model(settings.model.source, device=settings.model.device, dtype=settings.model.dtype)
-    hooks = ColdTierHooks(staged_only=True)  # loads are prefetched in the task threads (workers/prefix.py)
+    hooks = ColdTierHooks(prefetch_only=True)  # loads are prefetched in the task threads (workers/prefix.py)
     engine = Engine(model, settings.engine, hooks=hooks)
     generator = engine
     if settings.cold_tier.enabled:

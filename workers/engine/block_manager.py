@@ -103,16 +103,7 @@ class BlockManager:
         seq.num_computed_tokens = (len(cached) + filled) * self.block_size
 
     def deallocate(self, seq: Sequence) -> None:
-        # Tail first: the end of a prefix is then evicted before its beginning, which
-        # every longer prefix needs.
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None:
-                    self.free_unhashed.append(bid)
-                else:
-                    self.free_hashed[bid] = None
+        self.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -158,6 +149,38 @@ class BlockManager:
             if self.blocks[seq.block_table[i]].hash is None:
                 self._register(seq.block_table[i], hashes[i], hashes[i - 1] if i else seq.cache_salt,
                                tuple(seq.block_tokens(i, self.block_size)))
+
+    # --- blocks filled from outside, off the step thread (workers/prefix.py) -------
+
+    def reserve(self, n: int) -> list[int]:
+        """Up to `n` free blocks, held (ref 1) by the caller and in no sequence's table:
+        nothing reads or writes them until they are adopted or released, so another
+        thread may fill them (ColdTier.fetch_into). Fewer than `n` when the pool has
+        fewer free; taking a cached block evicts it (the hooks spill it), as any
+        allocation does."""
+        return [self._take_free() for _ in range(min(n, self.num_free_blocks))]
+
+    def adopt(self, filled: Seq[tuple[int, str, str | None, tuple[int, ...]]]) -> None:
+        """Publish reserved blocks that now hold the K/V of (block_id, hash, parent hash,
+        tokens): admission finds them cached, as if computed here. They stay held until
+        `release`d. A hash computed here meanwhile keeps its first copy (the adopted
+        block is then just a held unhashed block)."""
+        for bid, h, parent, token_ids in filled:
+            self._register(bid, h, parent, token_ids)
+
+    def release(self, block_ids: Seq[int]) -> None:
+        """Let go of held blocks (reserved ones, or a sequence's): a published one stays
+        in the pool as a free cache entry, one never published is free at once."""
+        # Tail first: the end of a prefix is then evicted before its beginning, which
+        # every longer prefix needs.
+        for bid in reversed(block_ids):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_unhashed.append(bid)
+                else:
+                    self.free_hashed[bid] = None
 
     # --- lookups for the shared-prefix step (workers/prefix.py) ------------------
 
