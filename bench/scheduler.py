@@ -31,11 +31,17 @@ are applied to every row (`misses`).
 `live_dispatch()` is the one part that is not simulated: jobs go through the real
 Kafka, the scheduler loop of `scheduler/service.py` (policy, ledger reservation in the
 job store's admission script, batched Celery sends), the Redis job store and the Celery
-broker, with a published heartbeat as the budget and no worker (it measures dispatch,
-not inference). It gives `dispatch_p50_ms` / `dispatch_p99_ms` (submission → admitted,
-paced at 50 jobs/s) and `dispatch_jobs_per_s` (a burst produced first, then consumed:
-first admission → last admission). `--sim-only` skips it; `--live-only` runs only it
-and writes nothing.
+broker to real workers (`--live-workers`, default 2, builtin:tiny, started with the
+integration tests' launcher tests/fleet.py), whose heartbeats are the budget and whose
+finished jobs release their reservations; jobs are 4 new tokens, so it measures dispatch
+more than inference. Paced at 50 jobs/s: `dispatch_p50_ms` / `dispatch_p99_ms`
+(submission → `admitted_at`, the scheduler step's clock read before the admission Lua
+and the send) and `dispatch_to_start_p50_ms` / `_p99_ms` (submission → `started_at`, which
+the worker writes on taking the task, after the admission is durable and the task sent).
+A burst: `dispatch_burst_jobs_per_s`, the jobs admitted after the first admission batch
+over first → last admission, bounded by how fast the workers free slots. The output
+names the workers, their KV tokens and slots. `--sim-only` skips it; `--live-only` runs
+only it and writes nothing.
 
 Prints tables, writes <out>/scheduler.json and <out>/scheduler.png.
 """
@@ -330,7 +336,8 @@ def live_dispatch(*, paced: int, burst: int, workers: int = LIVE_WORKERS, rate_p
     scheduler starts: with real capacity most of it waits in the policy's buffer, and the
     rebalance that follows a fresh member's first poll drops the buffered jobs
     (`forget_revoked`) while the consumer keeps its positions, so they were never read
-    again and stayed queued (372 of 1,000 in every try; a scheduler bug, not the bench's).
+    again and stayed queued (372 of 1,000 in four tries, 810 in a fifth; a scheduler bug,
+    not the bench's).
     """
     addresses = kvfleet.infra.up()
     with _Workers(addresses, workers) as fleet:
