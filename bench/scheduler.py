@@ -52,6 +52,7 @@ import argparse
 from collections import Counter
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import sys
@@ -116,6 +117,7 @@ FAILED = ("expired", "shed", "waiting")  # never served; "rejected" (over a ceil
 LIVE_DB = 3  # tests use Redis database 1, the kvstore bench 2, the demo 0
 LIVE_WORKERS = 2  # one per core of the development VM
 LIVE_MAX_NEW_TOKENS = 4  # a few output tokens: the live run measures dispatch, not inference
+STALL_S = 20.0  # no job finished for this long, none reserved or buffered: the jobs left are lost
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -332,34 +334,41 @@ def live_dispatch(*, paced: int, burst: int, workers: int = LIVE_WORKERS, rate_p
     `burst` jobs recorded queued, then produced at once into a running scheduler that
     has joined its group (a warm-up job went through it); `dispatch_burst_jobs_per_s` is
     `burst_rate()`: the jobs admitted after the first admission batch over the time from
-    the first admission to the last. The burst is no longer produced before the
-    scheduler starts: with real capacity most of it waits in the policy's buffer, and the
-    rebalance that follows a fresh member's first poll drops the buffered jobs
-    (`forget_revoked`) while the consumer keeps its positions, so they were never read
-    again and stayed queued (372 of 1,000 in four tries, 810 in a fifth; a scheduler bug,
-    not the bench's).
+    the first admission to the last.
+
+    Two departures from a default scheduler, both to step around scheduler bugs that
+    real capacity brought out (with an unlimited budget nothing waited in the buffer):
+    - The burst is not produced before the scheduler starts: most of it then waits in
+      the policy's buffer when the rebalance that follows a fresh member's first poll
+      drops the buffered jobs (`forget_revoked`), while kafka-python 3.0.12 keeps the
+      positions of partitions it assigns back (`assign_from_subscribed`), so those jobs
+      were never read again and stayed queued (372 of 1,000 in four tries).
+    - `max_buffered` is the burst's size, so no partition pauses: a partition paused
+      while the fetcher held its records, then resumed, was never fetched again (its
+      records parked in kafka-python's `_paused_partition_records`, 84 of 1,000 jobs
+      stuck queued with the partition's position behind its end).
     """
     addresses = kvfleet.infra.up()
     with _Workers(addresses, workers) as fleet:
-        with fleet.scheduler("paced") as live:
+        with fleet.scheduler("paced", max_buffered=burst) as live:
             live.start()
-            fleet.stamps([live.submit(f"{fleet.tag}-warm", Priority.HIGH, flush=True)], timeout_s)  # joined the group
+            fleet.stamps([live.submit(f"{fleet.tag}-warm", Priority.HIGH, flush=True)], live, timeout_s)  # joined the group
             ids = []
             for i in range(paced):
                 ids.append(live.submit(f"{fleet.tag}-p{i}", list(Priority)[i % 3], flush=True))
                 time.sleep(1.0 / rate_per_s)
-            paced_stamps = fleet.stamps(ids, timeout_s)
+            paced_stamps = fleet.stamps(ids, live, timeout_s)
         fleet.wait_released(timeout_s)  # the burst starts from an empty ledger
-        with fleet.scheduler("burst") as live:
+        with fleet.scheduler("burst", max_buffered=burst) as live:
             # Into a scheduler that has joined its group and settled (see the docstring):
             # records first, then every job produced at once.
             live.start()
-            fleet.stamps([live.submit(f"{fleet.tag}-bwarm", Priority.HIGH, flush=True)], timeout_s)
+            fleet.stamps([live.submit(f"{fleet.tag}-bwarm", Priority.HIGH, flush=True)], live, timeout_s)
             jobs = [live.record(f"{fleet.tag}-b{i}", list(Priority)[i % 3]) for i in range(burst)]
             for job in jobs:
                 live.produce(job)
             live.producer.flush()
-            burst_stamps = fleet.stamps([job.job_id for job in jobs], timeout_s)
+            burst_stamps = fleet.stamps([job.job_id for job in jobs], live, timeout_s)
     to_admit = [a - s for s, a, _ in paced_stamps]
     to_start = [b - s for s, _, b in paced_stamps]
     admit_to_start = [b - a for _, a, b in paced_stamps]
@@ -371,7 +380,8 @@ def live_dispatch(*, paced: int, burst: int, workers: int = LIVE_WORKERS, rate_p
             "dispatch_burst_jobs_per_s": rate, "dispatch_burst_jobs_counted": counted,
             "dispatch_burst_batches": batches, "dispatch_paced_jobs": paced, "dispatch_paced_jobs_per_s": rate_per_s,
             "dispatch_burst_jobs": burst, "dispatch_workers": fleet.workers, "dispatch_capacity_tokens": fleet.capacity,
-            "dispatch_slots": fleet.slots, "dispatch_job_tokens": len(HELLO) + LIVE_MAX_NEW_TOKENS}
+            "dispatch_slots": fleet.slots, "dispatch_job_tokens": len(HELLO) + LIVE_MAX_NEW_TOKENS,
+            "dispatch_max_buffered": burst}
 
 
 class _Workers:
@@ -420,16 +430,21 @@ class _Workers:
             self.client.close()
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
-    def scheduler(self, phase: str) -> "_Scheduler":
+    def scheduler(self, phase: str, *, max_buffered: int) -> "_Scheduler":
         kafka = dataclasses.replace(self.settings.kafka, topic_prefix=f"{self.tag}-{phase}.requests",
                                     group=f"{self.tag}-{phase}-scheduler")
         self.topics += [*kafka.topics, kafka.dlq, kafka.results]
-        return _Scheduler(self.settings.replace(kafka=kafka), self.client, f"{self.tag}-{phase}")
+        policy = self.settings.policy.replace(max_buffered=max_buffered)
+        return _Scheduler(self.settings.replace(kafka=kafka, policy=policy), self.client, f"{self.tag}-{phase}")
 
-    def stamps(self, ids: list[str], timeout_s: float) -> list[tuple[float, float, float]]:
-        """Wait until every job is done; per job (submitted, admitted_at, started_at)."""
+    def stamps(self, ids: list[str], live: "_Scheduler", timeout_s: float) -> list[tuple[float, float, float]]:
+        """Wait until every job is done; per job (submitted, admitted_at, started_at).
+
+        Fails early when jobs stay queued while nothing is reserved and the scheduler
+        holds none of them: it dropped them (see `live_dispatch`), and no wait helps."""
         pending, found = list(ids), {}
         deadline = time.monotonic() + timeout_s
+        progress = time.monotonic()
         while pending:
             with self.client.pipeline(transaction=False) as pipe:
                 for job_id in pending:
@@ -440,12 +455,17 @@ class _Workers:
                     if state != JobState.DONE.value.encode():
                         raise RuntimeError(f"job {job_id} ended {state.decode()}\n{self.fleet.logs()}")
                     found[job_id] = (decode_request(request).submitted_at, float(admitted), float(started))
+            if len(found) + len(pending) > len(ids):  # some finished in this round
+                progress = time.monotonic()
             pending = [job_id for job_id in pending if job_id not in found]
-            if pending and time.monotonic() > deadline:
-                states = Counter(s.decode() if s else "missing" for s, *_ in raw)
-                raise TimeoutError(f"{len(pending)} of {len(ids)} jobs not done after {timeout_s:.0f} s "
-                                   f"(states {dict(states)}, {self.client.hlen(self.keys.ledger)} reservations)\n"
-                                   f"{self.fleet.logs()}")
+            states = Counter(s.decode() if s else "missing" for s, *_ in raw)
+            stalled = time.monotonic() - progress > STALL_S and states.keys() <= {"queued", "done"}
+            if pending and (time.monotonic() > deadline or stalled and live.holds_nothing()
+                            and self.client.hlen(self.keys.ledger) == 0):
+                why = "dropped by the scheduler" if stalled else f"not done after {timeout_s:.0f} s"
+                raise TimeoutError(f"{len(pending)} of {len(ids)} jobs {why} (states {dict(states)}, "
+                                   f"{self.client.hlen(self.keys.ledger)} reservations); the scheduler's log:\n"
+                                   + "\n".join(live.notes) + f"\n{self.fleet.logs()}")
             # Not too often: the scheduler's thread shares this process's interpreter lock.
             time.sleep(0.2)
             self.fleet.assert_alive()
@@ -466,6 +486,11 @@ class _Scheduler:
         self.service = service.build(settings, client_id=f"{client_id}-scheduler")
         self.loop = threading.Thread(target=self.service.run, name="scheduler", daemon=True)
         self.producer = make_producer(settings.kafka, client_id=f"{client_id}-bench")
+        #: What the loop logged (rebalances, warnings), but not its line per admitted job.
+        self.notes: list[str] = []
+        self._log = _Notes(self.notes)
+        logging.getLogger("kvfleet.scheduler").addHandler(self._log)
+        logging.getLogger("kvfleet.scheduler").setLevel(logging.INFO)
 
     def __enter__(self) -> "_Scheduler":
         return self
@@ -480,9 +505,13 @@ class _Scheduler:
         if self.service.wake is not None:
             self.service.wake.close()
         self.producer.close(timeout=5)
+        logging.getLogger("kvfleet.scheduler").removeHandler(self._log)
 
     def start(self) -> None:
         self.loop.start()
+
+    def holds_nothing(self) -> bool:
+        return not (self.service.policy.pending() or self.service.waiting or self.service.resend)
 
     def submit(self, job_id: str, priority: Priority, *, flush: bool = False) -> str:
         """What the API does: record the job queued, then produce it (its prompt tokenized)."""
@@ -500,6 +529,17 @@ class _Scheduler:
     def produce(self, job: JobRequest) -> None:
         self.producer.send(request_topic(self.settings.kafka.topic_prefix, job.priority), key=b"bench",
                            value=encode(job))
+
+
+class _Notes(logging.Handler):
+    def __init__(self, notes: list[str]) -> None:
+        super().__init__(logging.INFO)
+        self.notes = notes
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() != "admitted":
+            extra = {k: getattr(record, k) for k in ("partitions", "dropped", "error", "reason") if hasattr(record, k)}
+            self.notes.append(f"{record.created:.3f} {record.levelname} {record.getMessage()} {extra or ''}")
 
 
 def _cleanup(kafka: KafkaSettings, topics: list[str], redis_urls: list[str], tag: str) -> None:
