@@ -311,7 +311,7 @@ def live_dispatch(*, paced: int, burst: int, workers: int = LIVE_WORKERS, rate_p
 
     The budget is the workers' own heartbeats (their KV tokens and task slots), and each
     job's reservation is released when its worker finishes it. Jobs are short (a
-    5-token prompt, LIVE_MAX_NEW_TOKENS new tokens) so the run measures dispatch more
+    6-token prompt of "hello", LIVE_MAX_NEW_TOKENS new tokens) so the run measures dispatch more
     than inference, but the burst's admission rate is bounded by how fast the workers
     free their slots.
 
@@ -352,7 +352,8 @@ def live_dispatch(*, paced: int, burst: int, workers: int = LIVE_WORKERS, rate_p
     with _Workers(addresses, workers) as fleet:
         with fleet.scheduler("paced", max_buffered=burst) as live:
             live.start()
-            fleet.stamps([live.submit(f"{fleet.tag}-warm", Priority.HIGH, flush=True)], live, timeout_s)  # joined the group
+            # One job through first: the scheduler has joined its group.
+            fleet.stamps([live.submit(f"{fleet.tag}-warm", Priority.HIGH, flush=True)], live, timeout_s)
             ids = []
             for i in range(paced):
                 ids.append(live.submit(f"{fleet.tag}-p{i}", list(Priority)[i % 3], flush=True))
@@ -565,8 +566,8 @@ LIVE_KEYS = ("dispatch_p50_ms", "dispatch_p99_ms", "dispatch_to_start_p50_ms", "
 
 
 def print_live(r: dict) -> None:
-    print(f"\nlive dispatch (Kafka → scheduler/service.py → Redis + Celery → {r['dispatch_workers']} builtin:tiny "
-          f"workers, {r['dispatch_capacity_tokens']:,} KV tokens and {r['dispatch_slots']} slots; "
+    print(f"\nlive dispatch (Kafka → scheduler/service.py → Redis + Celery → {r['dispatch_workers']} "
+          f"builtin:tiny workers, {r['dispatch_capacity_tokens']:,} KV tokens and {r['dispatch_slots']} slots; "
           f"{r['dispatch_job_tokens']}-token jobs), paced at {r['dispatch_paced_jobs_per_s']:.0f} jobs/s:\n"
           f"  submission → admitted_at (the step's clock, before the admission Lua): "
           f"p50 {r['dispatch_p50_ms']:.1f} ms, p99 {r['dispatch_p99_ms']:.1f} ms\n"
