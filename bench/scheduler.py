@@ -310,10 +310,10 @@ def live_dispatch(*, paced: int, burst: int, workers: int = LIVE_WORKERS, rate_p
     consumer group. Everything is removed afterwards, the workers stopped also on error.
 
     The budget is the workers' own heartbeats (their KV tokens and task slots), and each
-    job's reservation is released when its worker finishes it. Jobs are short (a
-    6-token prompt of "hello", LIVE_MAX_NEW_TOKENS new tokens) so the run measures dispatch more
-    than inference, but the burst's admission rate is bounded by how fast the workers
-    free their slots.
+    job's reservation is released when its worker finishes it. Jobs are short (the
+    6-token prompt of "hello", LIVE_MAX_NEW_TOKENS new tokens) so the run measures
+    dispatch more than inference, but the burst's admission rate is bounded by how fast
+    the workers free their slots.
 
     Three stamps per job, all `time.time()` on this host:
     - submitted: just before the produce (this bench plays the API);
