@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
 import redis
 
 T = TypeVar("T")
-I = TypeVar("I")
+Item = TypeVar("Item")
 Buffer = Union[bytes, bytearray, memoryview]
 #: `take(i, n)`: where key i's value of n bytes goes: one writable buffer of exactly n
 #: bytes, or several whose lengths add up to n, filled in order (a blob's header into a
@@ -199,12 +199,12 @@ class Wire:
 
         return self._spread(keys, run, connections)
 
-    def set_many(self, items: Sequence[I], encode: Callable[[I], tuple[str, Buffer, int]], *,
+    def set_many(self, items: Sequence[Item], encode: Callable[[Item], tuple[str, Buffer, int]], *,
                  connections: Optional[int] = None) -> None:
         """`encode(item)` -> (key, value, px), run in the sending thread; each value is
         then `SET key value PX px`. Raises the first error reply or connection error.
         With `connections=1` it all happens in the calling thread."""
-        def run(_first: int, chunk: Sequence[I], sock: socket.socket, fast: bool) -> list[None]:
+        def run(_first: int, chunk: Sequence[Item], sock: socket.socket, fast: bool) -> list[None]:
             for item in chunk:
                 key, value, px = encode(item)
                 k, ms = key.encode(), str(int(px)).encode()
