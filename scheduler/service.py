@@ -48,7 +48,7 @@ from kvfleet.capacity import FleetCapacity
 from kvfleet.celery_app import make_celery
 from kvfleet.contracts import JobRequest, JobState, Priority
 from kvfleet.jobstore import JobStore
-from kvfleet.kafka import ensure_topics, make_admin, make_consumer, make_producer
+from kvfleet.kafka import ensure_topics, make_admin, make_consumer, make_producer, release_parked
 from kvfleet.ledger import Ledger
 from kvfleet.results import KnownTopics, ResultRelay
 from kvfleet.settings import Settings
@@ -459,7 +459,10 @@ class SchedulerService:
 
     def pause(self) -> None:
         """Make the consumer's paused partitions the policy's, among those assigned: a
-        rebalance forgets pauses, so the sets are compared rather than patched."""
+        rebalance forgets pauses of the partitions it moves, so the sets are compared
+        rather than patched. Then the records kafka-python parked for a partition paused
+        mid-batch are let go of once it is not paused (`release_parked`: kafka-python
+        3.0.12 would otherwise never fetch a resumed partition again)."""
         assigned = self.consumer.assignment()
         want = {TopicPartition(self._topic_of[p], n) for p, n in self.policy.paused} & assigned
         have = self.consumer.paused()
@@ -467,6 +470,9 @@ class SchedulerService:
             self.consumer.pause(*(want - have))
         if have - want:
             self.consumer.resume(*(have - want))
+        released = release_parked(self.consumer)
+        if released:
+            log.info("parked records released", extra={"partitions": sorted(map(str, released))})
 
     def commit(self, *, force: bool = False) -> None:
         if not force and time.monotonic() < self._next_commit:

@@ -151,3 +151,25 @@ def test_a_partition_a_rebalance_gives_back_to_the_same_member_is_read_again(sch
         joined.join()
         other.close()
 
+
+def test_a_paused_partition_whose_fetched_records_were_parked_is_read_again_when_resumed(scheduler):
+    # One poll takes 5 of the 40 low jobs the consumer fetched; at 4 buffered the policy
+    # pauses the low partition, and the next poll parks the 35 it still holds
+    # (`Fetcher._paused_partition_records`). A normal job read after that leaves the
+    # consumer's in-line slot holding a used-up batch, which kept kafka-python 3.0.12
+    # from ever restoring the parked records once low was resumed, and from fetching the
+    # partition again.
+    service = scheduler(max_buffered=4, max_poll_records=5)
+    low = TopicPartition(service.settings.kafka.topics[2], 0)
+    jobs = produce(service, Priority.LOW, 40)
+    step_until(service, lambda: low in service.consumer.paused(), "the low partition paused")
+    parked = service.consumer._fetcher._paused_partition_records
+    step_until(service, lambda: low in parked, "the consumer parked the low records it held")
+    normal = produce(service, Priority.NORMAL, 1)
+    step_until(service, lambda: normal[0] in service.waiting, "a normal job read after the parking")
+    assert service.policy.pending(Priority.LOW) < 40  # the rest waits in Kafka (or parked)
+    budget(service, COST * 41)
+    step_until_admitted(service, jobs + normal, timeout=20)
+    service.commit(force=True)
+    assert_admitted_once(service, {Priority.LOW: jobs, Priority.NORMAL: normal})
+    assert committed(service, low) == 40
