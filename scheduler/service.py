@@ -220,8 +220,9 @@ class SchedulerService:
         # partition in a rebalance (eager) and keeps the fetch position of each one it
         # assigns back to the same member (`SubscriptionState._apply_assignment`,
         # consumer/subscription_state.py 272-303), past the jobs dropped here. Those
-        # partitions go back to their oldest record not decided, or to the first record
-        # dropped from this poll (the position is pending a seek if nothing was read).
+        # partitions go back to their oldest record not decided, else to the first record
+        # dropped from this poll. One with neither was not read since it was assigned (or
+        # sought back), so its position has passed nothing.
         back = {tp: offset for tp in revoked if (offset := self.offsets.position(tp)) is not None}
         for r in records:
             tp = TopicPartition(r.topic, r.partition)
@@ -234,12 +235,11 @@ class SchedulerService:
         # Still listed as assigned: given back, or the rebalance is still under way (then
         # the position is dropped with the partition, or kept if it comes back).
         assigned = self.consumer.assignment()
+        back = {tp: offset for tp, offset in back.items() if tp in assigned}
         for tp, offset in back.items():
-            if tp in assigned:
-                self.consumer.seek(tp, offset)
+            self.consumer.seek(tp, offset)
         log.info("partitions revoked", extra={"partitions": sorted(map(str, revoked)), "dropped": len(dropped),
-                                              "reread": sorted(f"{tp.topic}-{tp.partition}@{o}" for tp, o in back.items()
-                                                               if tp in assigned)})
+                                              "read_again_from": {str(tp): o for tp, o in sorted(back.items())}})
         return [r for r in records if TopicPartition(r.topic, r.partition) not in revoked]
 
     def pin_rejoin(self) -> None:

@@ -115,7 +115,7 @@ def committed(service: SchedulerService, tp: TopicPartition) -> int:
         admin.close()
 
 
-def test_a_partition_a_rebalance_gives_back_to_the_same_member_is_read_again(scheduler, prefix):
+def test_a_partition_a_rebalance_gives_back_to_the_same_member_is_read_again(scheduler):
     # The burst is on Kafka before the scheduler starts; with no budget it buffers it all.
     service = scheduler()
     jobs = produce(service, Priority.NORMAL, 40)
@@ -127,7 +127,12 @@ def test_a_partition_a_rebalance_gives_back_to_the_same_member_is_read_again(sch
     other = make_consumer(service.settings.kafka, client_id="second-member", max_poll_records=1)
     other.subscribe([service.settings.kafka.topics[2]])
     stop = threading.Event()
-    joined = threading.Thread(target=lambda: [other.poll(timeout_ms=100) for _ in iter(stop.is_set, True)])
+
+    def keep_polling() -> None:  # a member that stops polling holds up the rebalance
+        while not stop.is_set():
+            other.poll(timeout_ms=100)
+
+    joined = threading.Thread(target=keep_polling)
     joined.start()
     try:
         revoked: list[set[TopicPartition]] = []
@@ -138,8 +143,8 @@ def test_a_partition_a_rebalance_gives_back_to_the_same_member_is_read_again(sch
             return taken
 
         service.revocations.take = noted
-        step_until(service, lambda: any(normal in r for r in revoked) and other.assignment()
-                   and normal in service.consumer.assignment() and not service.revocations.unassigned_for(),
+        step_until(service, lambda: any(normal in r for r in revoked) and not service.revocations.unassigned_for()
+                   and normal in service.consumer.assignment(),
                    "the rebalance done, the normal partition back with the scheduler")
         budget(service, COST * 40)
         step_until_admitted(service, jobs, timeout=20)
