@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
@@ -59,6 +59,30 @@ def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int
         session_timeout_ms=10_000,
         heartbeat_interval_ms=3_000,
     )
+
+
+def release_parked(consumer: KafkaConsumer) -> set[TopicPartition]:
+    """Let go of the records kafka-python parked for partitions no longer paused, so they
+    are fetched again from their position (the first record not yet taken); the partitions
+    let go of.
+
+    kafka-python 3.0.12 parks the fetched records of a partition paused before they were
+    all taken (`Fetcher.fetched_records`, consumer/fetcher.py 608-611) and gives them back
+    after a resume only while its in-line slot `_next_partition_records` is None
+    (fetcher.py 589). The slot keeps the last batch it used up, empty but not None, and
+    goes back to None only when it parks again; and a partition with parked records is
+    never fetched (`_fetchable_partitions`, fetcher.py 1234). So a resumed partition stayed
+    behind its end for good. A seek does not help: nothing clears the parked entry.
+    Dropping it is safe: the position never passed a record that was not returned.
+    Private API, hence the guards: a client without it goes without the release."""
+    parked = getattr(getattr(consumer, "_fetcher", None), "_paused_partition_records", None)
+    if not parked:
+        return set()
+    paused = consumer.paused()
+    released = {tp for tp in list(parked) if tp not in paused}
+    for tp in released:
+        parked.pop(tp).drain()
+    return released
 
 
 def make_admin(kafka: KafkaSettings, *, client_id: str) -> KafkaAdminClient:

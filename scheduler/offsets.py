@@ -58,7 +58,8 @@ class OffsetBook:
             self._committed[tp] = meta.offset
 
     def forget(self, partitions: set[TopicPartition]) -> None:
-        """Partitions revoked: another member reads them from their committed offsets."""
+        """Partitions revoked: their next owner reads them again from their committed
+        offsets (this member too, once the loop has sought them back to `position()`)."""
         for tp in partitions:
             self._undecided.pop(tp, None)
             self._next.pop(tp, None)
@@ -98,7 +99,9 @@ class Revocations(ConsumerRebalanceListener):
                 self._waiting_since = self._clock()
 
     def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        # A new partition is read from its committed offset: nothing to set up. An empty
+        # A new partition is read from its committed offset; one given back to this member
+        # keeps kafka-python's position, which the loop seeks back after the poll
+        # (`SchedulerService.forget_revoked`): nothing to set up here. An empty
         # assignment counts too: a group with more members than partitions is healthy.
         with self._lock:
             self._waiting_since = None

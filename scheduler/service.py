@@ -48,7 +48,7 @@ from kvfleet.capacity import FleetCapacity
 from kvfleet.celery_app import make_celery
 from kvfleet.contracts import JobRequest, JobState, Priority
 from kvfleet.jobstore import JobStore
-from kvfleet.kafka import ensure_topics, make_admin, make_consumer, make_producer
+from kvfleet.kafka import ensure_topics, make_admin, make_consumer, make_producer, release_parked
 from kvfleet.ledger import Ledger
 from kvfleet.results import KnownTopics, ResultRelay
 from kvfleet.settings import Settings
@@ -150,8 +150,7 @@ class SchedulerService:
         log.info("scheduler stopping: stop requested")
 
     def step(self) -> None:
-        records = self.poll()
-        self.forget_revoked()
+        records = self.forget_revoked(self.poll())
         self.check_membership()
         self.check_relay()
         self.intake(records)
@@ -210,16 +209,38 @@ class SchedulerService:
                 polled = self.consumer.poll(timeout_ms=s.busy_poll_ms, max_records=s.max_poll_records)
         return [r for rs in polled.values() for r in rs]
 
-    def forget_revoked(self) -> None:
+    def forget_revoked(self, records: list[ConsumerRecord]) -> list[ConsumerRecord]:
+        """Drop the buffered jobs of the partitions a rebalance took, and this poll's
+        records of them; the records left."""
         revoked = self.revocations.take()
         if not revoked:
-            return
-        # Not committed, so their new owner reads them again; keeping them would admit twice.
+            return records
+        # Not committed, so whoever owns them next reads them again; keeping them would
+        # admit twice. That may be this replica: kafka-python 3.0.12 revokes every
+        # partition in a rebalance (eager) and keeps the fetch position of each one it
+        # assigns back to the same member (`SubscriptionState._apply_assignment`,
+        # consumer/subscription_state.py 272-303), past the jobs dropped here. Those
+        # partitions go back to their oldest record not decided, else to the first record
+        # dropped from this poll. One with neither was not read since it was assigned (or
+        # sought back), so its position has passed nothing.
+        back = {tp: offset for tp in revoked if (offset := self.offsets.position(tp)) is not None}
+        for r in records:
+            tp = TopicPartition(r.topic, r.partition)
+            if tp in revoked:
+                back[tp] = min(back.get(tp, r.offset), r.offset)
         dropped = self.policy.forget({(self._priority_of[tp.topic], tp.partition) for tp in revoked})
         for job in dropped:
             self.waiting.pop(job.job_id, None)
         self.offsets.forget(revoked)
-        log.info("partitions revoked", extra={"partitions": sorted(map(str, revoked)), "dropped": len(dropped)})
+        # Still listed as assigned: given back, or the rebalance is still under way (then
+        # the position is dropped with the partition, or kept if it comes back).
+        assigned = self.consumer.assignment()
+        back = {tp: offset for tp, offset in back.items() if tp in assigned}
+        for tp, offset in back.items():
+            self.consumer.seek(tp, offset)
+        log.info("partitions revoked", extra={"partitions": sorted(map(str, revoked)), "dropped": len(dropped),
+                                              "read_again_from": {str(tp): o for tp, o in sorted(back.items())}})
+        return [r for r in records if TopicPartition(r.topic, r.partition) not in revoked]
 
     def pin_rejoin(self) -> None:
         """Keep the coordinator's `rejoin_needed` set until the rebalance that is starting
@@ -438,7 +459,10 @@ class SchedulerService:
 
     def pause(self) -> None:
         """Make the consumer's paused partitions the policy's, among those assigned: a
-        rebalance forgets pauses, so the sets are compared rather than patched."""
+        rebalance forgets pauses of the partitions it moves, so the sets are compared
+        rather than patched. Then the records kafka-python parked for a partition paused
+        mid-batch are let go of once it is not paused (`release_parked`: kafka-python
+        3.0.12 would otherwise never fetch a resumed partition again)."""
         assigned = self.consumer.assignment()
         want = {TopicPartition(self._topic_of[p], n) for p, n in self.policy.paused} & assigned
         have = self.consumer.paused()
@@ -446,6 +470,9 @@ class SchedulerService:
             self.consumer.pause(*(want - have))
         if have - want:
             self.consumer.resume(*(have - want))
+        released = release_parked(self.consumer)
+        if released:
+            log.info("parked records released", extra={"partitions": sorted(map(str, released))})
 
     def commit(self, *, force: bool = False) -> None:
         if not force and time.monotonic() < self._next_commit:
