@@ -93,12 +93,25 @@ def _last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     return engine.call_soon(compute).result(30)
 
 
+def _recomputed(prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and next-token logits of `prompt` computed from scratch."""
+    engine = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=64, max_model_len=512))
+    try:
+        return engine.generate("cold", prompt, 16).tokens, _last_logits(engine, prompt)
+    finally:
+        engine.shutdown()
+
+
+def _assert_same_logits(logits: torch.Tensor, expected: torch.Tensor, quant: Quant) -> None:
+    if quant is Quant.NONE:
+        assert torch.equal(logits, expected)  # bit-identical for unquantized blocks
+    else:
+        assert torch.allclose(logits, expected, atol=INT8_LOGIT_ATOL), (logits - expected).abs().max()
+
+
 @pytest.mark.parametrize("quant", [Quant.NONE, Quant.INT8])
 def test_prefix_spilled_by_one_process_is_loaded_by_another(cache_redis_url, prefix, quant):
-    cold_run = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=64, max_model_len=512))
-    expected = cold_run.generate("cold", PROMPT, 16).tokens
-    expected_logits = _last_logits(cold_run, PROMPT)
-    cold_run.shutdown()
+    expected, expected_logits = _recomputed(PROMPT)
 
     _run_in_process(_spill_worker, cache_redis_url, prefix, quant.value)
     stored = list(redis.Redis.from_url(cache_redis_url).scan_iter(f"{prefix}:kv:*"))
@@ -111,11 +124,7 @@ def test_prefix_spilled_by_one_process_is_loaded_by_another(cache_redis_url, pre
         assert result.tokens == expected  # greedy: exact for fp32, and on the tiny model for INT8 too
         assert stats.outside_cache_hits == 12 and result.cached_tokens == 12 * 16
         assert stats.prompt_tokens_computed == len(PROMPT) - 12 * 16  # only the tail was prefilled
-        logits = _last_logits(engine, PROMPT)
-        if quant is Quant.NONE:
-            assert torch.equal(logits, expected_logits)
-        else:
-            assert torch.allclose(logits, expected_logits, atol=INT8_LOGIT_ATOL), (logits - expected_logits).abs().max()
+        _assert_same_logits(_last_logits(engine, PROMPT), expected_logits, quant)
     finally:
         engine.shutdown()
         tier.close()
@@ -127,10 +136,7 @@ def test_a_prefix_fetched_into_the_pool_by_the_task_thread_gives_the_same_tokens
     """The worker's path: the job's task thread reads the cold prefix straight into pool
     blocks (fp16/fp32 in place; INT8 through a buffer, dequantized) and the engine adopts
     them; the job then finds them hot."""
-    cold_run = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=64, max_model_len=512))
-    expected = cold_run.generate("cold", PROMPT, 16).tokens
-    expected_logits = _last_logits(cold_run, PROMPT)
-    cold_run.shutdown()
+    expected, expected_logits = _recomputed(PROMPT)
     _run_in_process(_spill_worker, cache_redis_url, prefix, quant.value)
 
     engine, tier = _engine(cache_redis_url, prefix, quant, num_blocks=64, prefetch_only=True)
@@ -139,11 +145,7 @@ def test_a_prefix_fetched_into_the_pool_by_the_task_thread_gives_the_same_tokens
         result = generator.generate("warm", PROMPT, 16, Sampling())
         assert result.tokens == expected and result.cached_tokens == 12 * 16
         assert engine.stats().prompt_tokens_computed == len(PROMPT) - 12 * 16
-        logits = _last_logits(engine, PROMPT)
-        if quant is Quant.NONE:
-            assert torch.equal(logits, expected_logits)
-        else:
-            assert torch.allclose(logits, expected_logits, atol=INT8_LOGIT_ATOL), (logits - expected_logits).abs().max()
+        _assert_same_logits(_last_logits(engine, PROMPT), expected_logits, quant)
     finally:
         engine.shutdown()
         tier.close()

@@ -25,18 +25,15 @@ multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584, not supported)
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import gather_sdpa, ops, reference, torch_attention
 from kernels.contract import PagedBatch
+from tests.interpreter import run_under_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-ROOT = Path(__file__).resolve().parents[1]
 
 # (q_lens, context_lens) per batch, for block_size 4: contexts at 1, BS-1, BS, BS+1 and
 # several blocks; decode, full prefill, prefill over a prefix, an empty query run.
@@ -75,13 +72,7 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_triton_kernels_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{__file__}::TestUnderInterpreter", "-q", "-p", "no:cacheprovider"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(__file__, timeout_s=300)
 
 
 test_triton_kernels_under_interpreter.__test__ = not INTERPRET  # type: ignore[attr-defined]

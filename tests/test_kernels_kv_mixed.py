@@ -12,19 +12,16 @@ Tolerances (max abs error vs the reference):
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import gather_sdpa, reference, torch_attention
 from kernels.contract import V_SCALE_DTYPE, V_SCALE_MIN, PagedBatch
+from tests.interpreter import run_under_interpreter
 from tests.test_kernels import DECODE, MIXED, PREFILL, interpreter_runs_loops, max_err  # noqa: F401 (a fixture)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 4
 
 
@@ -56,13 +53,7 @@ def make_mixed_batch(
 
 
 def test_triton_mixed_kernels_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{__file__}::TestUnderInterpreter", "-q", "-p", "no:cacheprovider"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(__file__, timeout_s=600)
 
 
 test_triton_mixed_kernels_under_interpreter.__test__ = not INTERPRET  # type: ignore[attr-defined]
