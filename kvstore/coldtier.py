@@ -311,9 +311,9 @@ class ColdTier:
             except BlobError as exc:
                 return raw, exc
 
-        found = self._get(ids, check, lambda _i, n: self._take_read_buffer(n))
-        n = self._leading_run(ids, [(b.expires_at if isinstance(b, KVBlob) else b, b.nbytes if isinstance(b, KVBlob) else 0)
-                                    for _, b in found], rebuild_s)
+        keys, found = self._get(ids, check, lambda _i, n: self._take_read_buffer(n))
+        outcomes = [(r.expires_at, r.nbytes) if isinstance(r, KVBlob) else (r, 0) for _, r in found]
+        n = self._leading_run(ids, keys, outcomes, rebuild_s)
         for raw, _ in found[n:]:  # after a hole, or rejected: never loaded
             if raw is not None:
                 self._read_buffers.give(raw)
@@ -361,26 +361,26 @@ class ColdTier:
                     self._read_buffers.give(value)
                 return exc, 0
 
-        found = self._get(ids, check, take)
+        keys, found = self._get(ids, check, take)
         if not in_place and found and device.type == "cuda":
             torch.cuda.synchronize(device)  # the copies are done before the engine reads the blocks
-        n = self._leading_run(ids, found, rebuild_s)
+        n = self._leading_run(ids, keys, found, rebuild_s)
         return n, sum(nbytes for _, nbytes in found[:n])
 
-    def _get(self, ids: list[str], check: Callable, take: Callable) -> list:
-        if not ids:
-            return []
+    def _get(self, ids: list[str], check: Callable, take: Callable) -> tuple[list[str], list]:
+        """The blocks' keys, and `check`'s result for each of them (one fetch at a time)."""
         keys = [self.keys.kv_block(self.namespace, i) for i in ids]
+        if not keys:
+            return keys, []
         with self._fetching:
-            return self._reader.get_many(keys, check, take=take,
-                                         connections=len(keys) * self.blob_nbytes // BYTES_PER_CONNECTION)
+            return keys, self._reader.get_many(keys, check, take=take,
+                                               connections=len(keys) * self.blob_nbytes // BYTES_PER_CONNECTION)
 
-    def _leading_run(self, ids: list[str], found: Sequence[tuple[Union[float, BlobError, None], int]],
+    def _leading_run(self, ids: list[str], keys: list[str], found: Sequence[tuple[Union[float, BlobError, None], int]],
                      rebuild_s: float) -> int:
         """How many of the read blocks, from the first, are valid (`found`: each one's
         logical expiry, BlobError or None, and its bytes); deletes a rejected blob, lets
         one reader extend a stale run, and counts it all."""
-        keys = [self.keys.kv_block(self.namespace, i) for i in ids]
         n, rejected = 0, []
         for key, (outcome, _) in zip(keys, found):
             if outcome is None:
