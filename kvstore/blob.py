@@ -201,6 +201,23 @@ class BlobCodec:
         struct.pack_into("<I", buf, _CHECKED, crc)
         return buf
 
+    def seal_parts(self, payload: Sequence[Buffer], block_id: str, expires_at: float) -> bytearray:
+        """The header of an unquantized blob whose payload is `payload`, in layout order
+        and left where it is (the pool's blocks, sent as they are): header + payload
+        is the same blob `seal` makes of a copy."""
+        lay = self.layout
+        header = bytearray(HEADER.size)
+        HEADER.pack_into(
+            header, 0, MAGIC, VERSION, _DTYPE_CODES[lay.dtype], _QUANT_CODES[Quant.NONE],
+            lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim,
+            self._model_digest, digest(block_id), lay.payload_nbytes(Quant.NONE), 0, expires_at,
+        )
+        value = crc32c.crc32c(memoryview(header)[:_CHECKED])
+        for part in payload:
+            value = crc32c.crc32c(part, value=value)
+        struct.pack_into("<I", header, _CHECKED, value)
+        return header
+
     # --- read -----------------------------------------------------------------------
     def open(self, raw: Buffer, block_id: str) -> KVBlob:
         """Validate `raw` as the blob of `block_id`; raises BlobError naming the first failed check."""

@@ -7,11 +7,14 @@
     hooks.tier = ColdTier(connect(settings.redis.cache_url), settings.redis.keys,
                           engine.block_manager.fingerprint, engine.kv_cache,
                           kernels=engine.kernels, ...)  # the rest: settings.cold_tier (workers/service.py)
+    hooks.give_back = engine.block_manager.give_back  # spills then go straight from the pool
     ...
     hooks.tier.close()                 # at shutdown: drains the spill queue
 
-Both hooks run on the engine's step thread between model steps, so the pool is not
-being written while they copy. Neither raises for a tier that is down: a spill that
+The hooks run on the engine's step thread between model steps, so the pool is not
+being written while they copy. With `give_back` set, an evicted block of a pool the
+tier can send as it is (`ColdTier.can_lend`) is lent to the spill instead of copied,
+and the engine reuses it once it is written. Neither raises for a tier that is down: a spill that
 cannot be made is dropped and counted, a load that fails is a miss (0), and the engine
 recomputes. kvstore does not import workers: the hooks are matched by shape.
 """
@@ -19,7 +22,7 @@ recomputes. kvstore does not import workers: the hooks are matched by shape.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import redis
 
@@ -43,12 +46,27 @@ class ColdTierHooks:
         #: into blocks the engine adopted before (ColdTier.fetch_into, workers/prefix.py),
         #: so the step thread never waits on Redis. The worker sets it.
         self.prefetch_only = prefetch_only
+        #: The engine's BlockManager.give_back: set it to lend evicted blocks to spills.
+        self.give_back: Optional[Callable[[int], None]] = None
 
-    def on_evict(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: Optional[str], block_id: int) -> None:
+    def on_evict(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: Optional[str], block_id: int) -> bool:
         # token_ids and parent_hash are already folded into the chained block_hash,
         # which is all the cold tier keys on.
-        if self.tier is not None:
-            self.tier.spill(block_hash, block_id)  # copies now, writes on the spill thread
+        if self.tier is None:
+            return False
+        if self.give_back is not None and self.tier.can_lend:
+            return self.tier.lend(block_hash, block_id, self.give_back)  # sent from the pool, then given back
+        self.tier.spill(block_hash, block_id)  # copies now, writes on the spill thread
+        return False
+
+    def reclaim(self, block_id: int) -> bool:
+        return self.tier.reclaim(block_id)
+
+    @property
+    def lend_ahead(self) -> int:
+        """Evicted blocks to keep on loan ahead of need: what the spill writers send at once."""
+        lends = self.tier is not None and self.give_back is not None and self.tier.can_lend
+        return self.tier.spill_in_flight if lends else 0
 
     def on_admit(self, missing: Sequence[MissingBlockLike]) -> int:
         if self.tier is None or self.prefetch_only:

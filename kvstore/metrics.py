@@ -42,6 +42,10 @@ CORRUPT_VALUES = Counter(
 # --- The KV cold tier (kvstore.coldtier, kvstore.spill) ---------------------------
 KV_SPILLED_BLOCKS = Counter("kvfleet_kv_cold_spilled_blocks_total", "KV blocks written to the cold tier.")
 KV_SPILLED_BYTES = Counter("kvfleet_kv_cold_spilled_bytes_total", "Blob bytes written to the cold tier.")
+KV_SPILL_RECLAIMED = Counter(
+    "kvfleet_kv_cold_spill_reclaimed_blocks_total",
+    "Blocks on loan to a spill that the engine needed back before they were written.",
+)
 KV_SPILL_DROPPED = Counter(
     "kvfleet_kv_cold_spill_dropped_blocks_total",
     "Evicted blocks not spilled, by reason (queue_full: the writer was behind; error: Redis failed).",

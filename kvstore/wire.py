@@ -208,8 +208,10 @@ class Wire:
             for item in chunk:
                 key, value, px = encode(item)
                 k, ms = key.encode(), str(int(px)).encode()
-                head = b"*5\r\n$3\r\nSET\r\n%s%s\r\n%s" % (_bulk(k), k, _bulk(value))
-                _send(sock, [head, value, b"\r\n$2\r\nPX\r\n%s%s\r\n" % (_bulk(ms), ms)], fast)
+                parts = value if isinstance(value, list) else [value]
+                size = sum(memoryview(p).nbytes for p in parts)
+                head = b"*5\r\n$3\r\nSET\r\n%s%s\r\n$%d\r\n" % (_bulk(k), k, size)
+                _send(sock, [head, *parts, b"\r\n$2\r\nPX\r\n%s%s\r\n" % (_bulk(ms), ms)], fast)
             reader = _Reader(sock, fast)
             for _ in chunk:
                 reader.simple()

@@ -36,6 +36,7 @@ PROMPT = [(i * 37 + 11) % 250 for i in range(200)]  # 12 full blocks of 16, then
 SHARED = PROMPT[:192]  # 12 full blocks: a system prompt many requests begin with
 OTHERS = [[(i * 13 + k * 101) % 250 for i in range(200)] for k in range(1, 6)]
 INT8_LOGIT_ATOL = 0.05  # tiny model, logits of O(1..10): INT8 K/V moves them by ~1e-2
+TIMEOUT_S = 30.0  # the most a wait below may take; only a broken behaviour reaches it
 
 
 def _engine(url: str, prefix: str, quant: Quant, num_blocks: int, lock_url: str | None = None, *,
@@ -46,6 +47,7 @@ def _engine(url: str, prefix: str, quant: Quant, num_blocks: int, lock_url: str 
     hooks.tier = ColdTier(connect(url), Keys(prefix), engine.block_manager.fingerprint, engine.kv_cache,
                           kernels=engine.kernels, quant=quant, ttl_s=120, grace_s=60,
                           spill_max_bytes=ColdTierSettings().spill_max_bytes, lock_client=lock_client)
+    hooks.give_back = engine.block_manager.give_back  # as the worker wires it: spills lend their blocks
     return engine, hooks.tier
 
 
@@ -316,6 +318,37 @@ def test_a_prefix_that_is_sooner_recomputed_than_loaded_is_recomputed(cache_redi
         assert result.cached_tokens == 0 and engine.stats().outside_cache_hits == 0
         slow = PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1.0)
         assert slow.prepare("slow-cpu", PROMPT).decision is None  # hot now: nothing to decide
+    finally:
+        engine.shutdown()
+        tier.close()
+
+
+def test_an_engine_out_of_free_blocks_reclaims_the_ones_lent_to_spills(cache_redis_url, prefix, monkeypatch):
+    """Every spill is held before it is sent, so the evicted blocks stay on loan and the
+    next prompt can only be served by taking them back: each is copied out then, the
+    copies are what gets written, and another process loads the first prompt exactly."""
+    expected, expected_logits = _recomputed(PROMPT)
+    expected_others = [_recomputed(other)[0] for other in OTHERS[:3]]
+    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=32)  # 14 blocks a request
+    held, set_many = threading.Event(), tier._writer.set_many
+    monkeypatch.setattr(tier._writer, "set_many", lambda *a, **kw: (held.wait(TIMEOUT_S), set_many(*a, **kw)))
+    reclaimed = REGISTRY.get_sample_value("kvfleet_kv_cold_spill_reclaimed_blocks_total") or 0
+    try:
+        assert engine.generate("p", PROMPT, 16).tokens == expected
+        for k, other in enumerate(OTHERS[:3]):  # PROMPT's blocks are the first evicted
+            assert engine.generate(f"o{k}", other, 16).tokens == expected_others[k]
+        assert REGISTRY.get_sample_value("kvfleet_kv_cold_spill_reclaimed_blocks_total") - reclaimed >= 10
+        held.set()
+        assert tier.flush(TIMEOUT_S)
+    finally:
+        held.set()
+        engine.shutdown()
+        tier.close()
+    engine, tier = _engine(cache_redis_url, prefix, Quant.NONE, num_blocks=64)
+    try:
+        result = engine.generate("warm", PROMPT, 16)
+        assert result.tokens == expected and result.cached_tokens == 12 * 16
+        _assert_same_logits(_last_logits(engine, PROMPT), expected_logits, Quant.NONE)
     finally:
         engine.shutdown()
         tier.close()

@@ -80,6 +80,71 @@ def test_free_cached_blocks_are_evicted_least_recent_first_with_the_hook():
     assert sorted(b.block_table) == [0, 1, 2, 3] and manager.hash_to_block == {}
 
 
+class Lender:
+    """Hooks that keep every evicted block (a spill sent from the pool) until told."""
+
+    def __init__(self, lend_ahead: int = 0, reclaim_answers: list[bool] | None = None) -> None:
+        self.lend_ahead = lend_ahead
+        self.lent: list[int] = []
+        self.reclaimed: list[int] = []
+        self.reclaim_answers = reclaim_answers or []
+        self.manager: BlockManager | None = None
+
+    def on_evict(self, h, tokens, parent, block_id) -> bool:
+        self.lent.append(block_id)
+        return True
+
+    def reclaim(self, block_id: int) -> bool:
+        self.reclaimed.append(block_id)
+        if self.reclaim_answers and not self.reclaim_answers.pop(0):
+            self.manager.give_back(block_id)  # it was being given back as the pool asked
+            return False
+        return True
+
+    def on_admit(self, missing: list[MissingBlock]) -> int:
+        return 0
+
+
+def _pool_of_freed_blocks(hooks: Lender, num_blocks: int, cached: int) -> tuple[BlockManager, list[int]]:
+    """A pool whose first `cached` blocks hold a freed prompt, the rest taken by another."""
+    manager = BlockManager(num_blocks, BS, "fp", hooks)
+    hooks.manager = manager
+    a = computed(manager, _allocated(manager, seq(list(range(1, 4 * cached + 1)), "a")))
+    blocks = list(a.block_table)
+    manager.deallocate(a)
+    _allocated(manager, seq([7] * 4 * (num_blocks - cached), "b"))
+    assert manager.num_free_blocks == cached and not manager.free_unhashed
+    return manager, blocks
+
+
+def test_with_nothing_else_free_an_evicted_block_lent_to_a_spill_is_taken_back_at_once():
+    hooks = Lender()
+    manager, (head, tail) = _pool_of_freed_blocks(hooks, 4, cached=2)
+    c = _allocated(manager, seq([5] * 4, "c"))
+    assert hooks.lent == [tail] and hooks.reclaimed == [tail] and c.block_table == [tail]
+    assert not manager.lent and list(manager.free_hashed) == [head]  # only what was needed was evicted
+
+
+def test_blocks_lent_ahead_of_need_are_reused_once_given_back_without_a_reclaim():
+    hooks = Lender(lend_ahead=2)
+    manager, blocks = _pool_of_freed_blocks(hooks, 16, cached=4)  # an eighth of 16: 2 may be lent ahead
+    c = _allocated(manager, seq([5] * 4, "c"))  # the tail is lent and taken back; two more lent ahead
+    assert c.block_table == [blocks[3]] and hooks.reclaimed == [blocks[3]]
+    assert list(manager.lent) == [blocks[2], blocks[1]] and manager.num_free_blocks == 3  # loans count as free
+    manager.give_back(blocks[2])  # written: the next taker gets it, and one more is lent ahead
+    d = _allocated(manager, seq([6] * 4, "d"))
+    assert d.block_table == [blocks[2]] and hooks.reclaimed == [blocks[3]]
+    assert list(manager.lent) == [blocks[1], blocks[0]] and not manager.free_hashed
+
+
+def test_a_reclaim_that_finds_its_block_given_back_takes_it_from_the_returns():
+    hooks = Lender(reclaim_answers=[False])
+    manager, cached = _pool_of_freed_blocks(hooks, 3, cached=1)
+    c = _allocated(manager, seq([5] * 4, "c"))
+    assert hooks.lent == cached and hooks.reclaimed == cached
+    assert c.block_table == cached and not manager.lent and manager.num_free_blocks == 0
+
+
 def test_admission_hook_fills_leading_missing_blocks():
     seen: list[list[MissingBlock]] = []
 

@@ -194,6 +194,78 @@ def test_spill_copies_the_block_before_it_is_reused(make_tier):
     assert torch.equal(block_of(dst, 0), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_lent_block_is_sent_from_the_pool_and_given_back_once_written(make_tier, dtype):
+    pool = make_pool(dtype)
+    tier = make_tier(pool)
+    assert tier.can_lend and not make_tier(make_pool(dtype), quant=Quant.INT8).can_lend
+    given_back: list[int] = []
+    assert all(tier.lend(h, i, given_back.append) for i, h in enumerate(HASHES[:3]))
+    assert tier.flush(TIMEOUT_S) and sorted(given_back) == [0, 1, 2]
+    dst = make_pool(dtype, zeros=True)
+    assert make_tier(dst).load(HASHES[:3], lambda n: [5, 6, 7][:n]) == 3  # the same blob a copy makes
+    for src_id, dst_id in [(0, 5), (1, 6), (2, 7)]:
+        assert torch.equal(block_of(dst, dst_id), block_of(pool, src_id))
+
+
+class _Gate:
+    """Holds a tier's spill writers at one point until opened."""
+
+    def __init__(self) -> None:
+        self.reached, self.open = threading.Event(), threading.Event()
+
+    def hold(self) -> None:
+        self.reached.set()
+        assert self.open.wait(TIMEOUT_S), "the gate was never opened"
+
+
+def test_a_lent_block_reclaimed_before_its_write_is_copied_and_not_given_back(make_tier, monkeypatch):
+    pool = make_pool()
+    expected = block_of(pool, 2).clone()
+    tier = make_tier(pool, connections=1)
+    gate, set_many = _Gate(), tier._writer.set_many
+    monkeypatch.setattr(tier._writer, "set_many", lambda *a, **kw: (gate.hold(), set_many(*a, **kw)))
+    given_back: list[int] = []
+    assert tier.lend(HASHES[0], 2, given_back.append)
+    assert gate.reached.wait(TIMEOUT_S)  # the writer took it, and has not begun sending it
+    assert tier.reclaim(2)  # the pool's again, at once
+    for k, v in pool:  # the engine reuses block 2 right away
+        k[2].fill_(7), v[2].fill_(7)
+    gate.open.set()
+    assert tier.flush(TIMEOUT_S) and given_back == []
+    dst = make_pool(zeros=True)
+    assert make_tier(dst).load(HASHES[:1], lambda n: [0]) == 1
+    assert torch.equal(block_of(dst, 0), expected)  # its copy was sent
+
+
+def test_reclaiming_a_block_being_sent_waits_for_the_send_and_finds_it_given_back(make_tier, monkeypatch):
+    pool = make_pool()
+    tier = make_tier(pool, connections=1)
+    gate, seal = _Gate(), tier._seal
+    monkeypatch.setattr(tier, "_seal", lambda item: (seal(item), gate.hold())[0])  # sealed: about to be sent
+    given_back: list[int] = []
+    assert tier.lend(HASHES[0], 2, given_back.append)
+    assert gate.reached.wait(TIMEOUT_S)
+    answer: list[tuple[bool, list[int]]] = []
+    reclaiming = threading.Thread(target=lambda: answer.append((tier.reclaim(2), list(given_back))))
+    reclaiming.start()
+    reclaiming.join(0.5)
+    assert reclaiming.is_alive(), "reclaim returned while the block was still being sent"
+    gate.open.set()
+    reclaiming.join(TIMEOUT_S)
+    assert answer == [(False, [2])]  # the writer gave it back before reclaim returned
+    assert tier.flush(TIMEOUT_S) and tier.reclaim(2) is False
+
+
+def test_a_lend_the_queue_has_no_room_for_is_dropped_and_the_block_free_at_once(make_tier):
+    before = metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="queue_full")
+    tier = make_tier(make_pool(), spill_max_bytes=1000)  # less than one block
+    given_back: list[int] = []
+    assert not tier.lend(HASHES[0], 0, given_back.append)
+    assert metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="queue_full") == before + 1
+    assert tier.reclaim(0) is False and given_back == []
+
+
 def test_spill_drops_and_counts_when_the_queue_is_full(make_tier):
     before = metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="queue_full")
     tier = make_tier(make_pool(), spill_max_bytes=1000)  # less than one block
@@ -379,12 +451,17 @@ def test_ensure_prefix_without_the_lock_prefills_everywhere(make_tier):
     assert len(prefills) == 4 and not everyone.broken
 
 
-def test_hooks_spill_on_evict_and_fill_on_admit(make_tier):
+@pytest.mark.parametrize("lend", [False, True])
+def test_hooks_spill_on_evict_and_fill_on_admit(make_tier, lend):
     src, dst = make_pool(seed=3), make_pool(zeros=True)
     evicting = ColdTierHooks(make_tier(src))
+    given_back: list[int] = []
+    if lend:
+        evicting.give_back = given_back.append
     for i, h in enumerate(HASHES[:2]):
-        evicting.on_evict(h, (1, 2, 3, 4), None, i)
+        assert evicting.on_evict(h, (1, 2, 3, 4), None, i) is lend  # lent: the pool waits for it
     assert evicting.tier.flush(10)
+    assert sorted(given_back) == ([0, 1] if lend else [])
     admitting = ColdTierHooks()
     missing = [SimpleNamespace(block_hash=h, parent_hash=None, token_ids=(), block_id=6 - i) for i, h in enumerate(HASHES[:3])]
     assert admitting.on_admit(missing) == 0  # no tier bound yet: a no-op

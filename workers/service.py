@@ -73,6 +73,7 @@ def main() -> None:
     if settings.cold_tier.enabled:
         # The engine owns its pool only once built, so the tier is attached after.
         hooks.tier = cold_tier(settings, engine)
+        hooks.give_back = engine.block_manager.give_back  # spills go straight from the pool
         generator = PrefixSharingEngine(engine, PrefixSharing(
             engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks,
             prefill_tokens_per_s=settings.cold_tier.prefill_tokens_per_s))

@@ -8,6 +8,10 @@ tenant can learn from a cache hit what another sent. A block's hash is registere
 chunked prefill fills a block over several steps; sharing it earlier would serve
 unwritten slots). Blocks are ref-counted; when the last holder lets go, a hashed block
 stays in the pool as a free cache entry until it is reused, least recently freed first.
+An evicted block the hooks are still reading (a spill sent straight from the pool) is
+on loan: free, but reused only once the hooks give it back, or taken back at once
+(`reclaim`) when nothing else is free. Hooks that lend ask for `lend_ahead` blocks to be
+evicted before they are needed, so that given-back ones are there when they are.
 
 This module holds no tensors: block ids index the pool the model runner owns.
 """
@@ -52,6 +56,11 @@ class BlockManager:
         # Free blocks without a hash are reused first, so cached ones live as long as possible.
         self.free_unhashed: deque[int] = deque(range(num_blocks))
         self.free_hashed: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        # Evicted blocks the hooks still read, oldest first, and those they gave back
+        # since (from their own threads: a deque's append is atomic; the step thread
+        # moves them to free_unhashed before it takes a block).
+        self.lent: OrderedDict[int, None] = OrderedDict()
+        self._given_back: deque[int] = deque()
         self.cache_queries = 0  # full prompt blocks looked up
         self.cache_hits = 0  # ... found in the pool
         self.outside_hits = 0  # ... filled by hooks.on_admit
@@ -62,7 +71,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_unhashed) + len(self.free_hashed)
+        return len(self.free_unhashed) + len(self.free_hashed) + len(self.lent)
 
     # --- admission -------------------------------------------------------------
 
@@ -253,15 +262,54 @@ class BlockManager:
         block.hash, block.parent_hash, block.token_ids = h, parent, token_ids
         self.hash_to_block[h] = bid
 
+    def give_back(self, block_id: int) -> None:
+        """The hooks are done reading a block they kept after `on_evict`; any thread."""
+        self._given_back.append(block_id)
+
     def _take_free(self) -> int:
-        if self.free_unhashed:
-            bid = self.free_unhashed.popleft()
-        else:
-            bid = next(iter(self.free_hashed))  # least recently freed
-            block = self.blocks[bid]
-            self.hooks.on_evict(block.hash, block.token_ids, block.parent_hash, bid)
-            del self.free_hashed[bid]  # only now: a raising hook leaves the block where it was
-            del self.hash_to_block[block.hash]
-            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        self._collect_given_back()
+        if not self.free_unhashed:
+            if self.free_hashed:
+                self._evict_least_recent()
+            if not self.free_unhashed:  # it went on loan, or only loans were left
+                self._reclaim_oldest_loan()
+        bid = self.free_unhashed.popleft()
         self.blocks[bid].ref_count = 1
+        self._lend_ahead()
         return bid
+
+    def _evict_least_recent(self) -> None:
+        bid = next(iter(self.free_hashed))  # least recently freed
+        block = self.blocks[bid]
+        kept = self.hooks.on_evict(block.hash, block.token_ids, block.parent_hash, bid)
+        del self.free_hashed[bid]  # only now: a raising hook leaves the block where it was
+        del self.hash_to_block[block.hash]
+        block.hash, block.parent_hash, block.token_ids = None, None, ()
+        if kept:
+            self.lent[bid] = None
+        else:
+            self.free_unhashed.append(bid)
+
+    def _reclaim_oldest_loan(self) -> None:
+        """The only way the step thread waits on a spill: when no other block is free,
+        and only if the loan's write is under way (a queued one is copied out instead)."""
+        bid = next(iter(self.lent))
+        if self.hooks.reclaim(bid):
+            del self.lent[bid]
+            self.free_unhashed.append(bid)
+        else:
+            self._collect_given_back()  # it was being given back meanwhile: it is there by now
+
+    def _lend_ahead(self) -> None:
+        """Keep the hooks' `lend_ahead` blocks (at most an eighth of the pool) free or
+        on their way back, by evicting the least recently used ahead of need: a block
+        lent only when it is needed would have to be taken back (copied) at once."""
+        want = min(getattr(self.hooks, "lend_ahead", 0), len(self.blocks) // 8)  # a small pool keeps its cache
+        while self.free_hashed and len(self.free_unhashed) + len(self.lent) < want:
+            self._evict_least_recent()
+
+    def _collect_given_back(self) -> None:
+        while self._given_back:
+            bid = self._given_back.popleft()
+            del self.lent[bid]
+            self.free_unhashed.append(bid)

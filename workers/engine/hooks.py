@@ -27,9 +27,25 @@ class MissingBlock:
 
 
 class BlockHooks(Protocol):
-    def on_evict(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: str | None, block_id: int) -> None:
+    """Hooks that lend may also have `lend_ahead`, an int: how many blocks the pool
+    keeps free or on loan by evicting the least recently used ahead of need (0 when
+    absent)."""
+
+    def on_evict(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: str | None,
+                 block_id: int) -> bool | None:
         """A free cached block is about to be reused for other tokens: its K/V still sit
-        in `block_id` and are gone once this returns. Copy them out here to keep them."""
+        in `block_id`. Copy them out here to keep them, and return a false value: the
+        block is reused at once. Or return True to go on reading it from another thread
+        (a spill sent straight from the pool, no copy): the pool then lends it, reusing
+        it only after `BlockManager.give_back(block_id)`, or after `reclaim` when it has
+        nothing else free."""
+        ...
+
+    def reclaim(self, block_id: int) -> bool:
+        """Only for hooks that lend (on_evict returned True): the pool needs `block_id`
+        now. Stop reading it (copy what is still needed, or wait for a read under way)
+        and return True: it is the pool's again and must not be given back. False: it
+        was given back already."""
         ...
 
     def on_admit(self, missing: Sequence[MissingBlock]) -> int:
@@ -43,8 +59,13 @@ class BlockHooks(Protocol):
 class NoBlockHooks:
     """The default: nothing outside the pool."""
 
+    lend_ahead = 0
+
     def on_evict(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: str | None, block_id: int) -> None:
         return None
+
+    def reclaim(self, block_id: int) -> bool:
+        raise AssertionError("NoBlockHooks lends no block")
 
     def on_admit(self, missing: Sequence[MissingBlock]) -> int:
         return 0
