@@ -322,6 +322,7 @@ class _Fleet:
         self.in_use = 0
         self.by_tenant: dict[str, int] = {}
         self.by_class: dict[Priority, int] = {}
+        self.by_tenant_class: dict[tuple[str, Priority], int] = {}
         self.fixed: list[tuple[float, int, PendingJob]] = []  # ServiceModel: heap by finish time
         self.workers = [_Worker(service) for _ in range(service.workers)] if isinstance(service, BatchService) else []
         #: Admitted tasks no thread has taken yet: the Celery queues, read high first and
@@ -371,13 +372,16 @@ class _Fleet:
         self.in_use += tokens
         self.by_tenant[job.tenant] = self.by_tenant.get(job.tenant, 0) + tokens
         self.by_class[job.priority] = self.by_class.get(job.priority, 0) + tokens
+        key = (job.tenant, job.priority)
+        self.by_tenant_class[key] = self.by_tenant_class.get(key, 0) + tokens
 
     def budget(self) -> Budget:
         # Slots as the workers' heartbeats report them (kvfleet/capacity.py): the policy
         # admits into free threads; FIFO and strict priority do not look (their `_admit`).
         slots = self.service.max_seqs * self.service.workers if isinstance(self.service, BatchService) else 0
         jobs = sum(w.jobs for w in self.workers) + len(self.celery) if slots else 0
-        return Budget(self.capacity, self.in_use, dict(self.by_tenant), dict(self.by_class), slots=slots, jobs=jobs)
+        return Budget(self.capacity, self.in_use, dict(self.by_tenant), dict(self.by_class), slots=slots, jobs=jobs,
+                      tenant_class_in_use=dict(self.by_tenant_class))
 
 
 class _Topics:
