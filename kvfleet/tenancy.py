@@ -133,6 +133,9 @@ class Tenancy:
             if tenant.name in by_name:
                 raise ValueError(f"{ENV_VAR}: tenant {tenant.name!r} is listed twice")
             by_name[tenant.name] = tenant
+            if tenant.limit is not None and tenant.share is not None and tenant.limit < tenant.share:
+                raise ValueError(f"{ENV_VAR}: tenant {tenant.name!r} has a limit of {tenant.limit} below its "
+                                 f"share of {tenant.share}; a hard limit must be at least the share")
         reserved = sum(t.share or 0.0 for t in tenants if t.tier is Tier.GOLD)
         if reserved > MAX_GOLD_RESERVED:
             raise ValueError(
