@@ -3,9 +3,11 @@ replayed through the simulator (bench/sim/simulator.py) with a virtual clock.
 
     python bench/scheduler.py [--quick] [--seeds N] [--out bench/results]
 
-Fleet: 4 workers × 32k KV tokens, each running a continuous batch whose step takes
-a + b·n_tokens (bench/sim/simulator.py `BatchService`: a job's time grows with the batch
-it shares; a and b of builtin:bench on one CPU thread). Workload: 10% high / 50% normal /
+Fleet: 4 workers × 32k KV tokens, 16 task threads each, each running its engine's
+continuous batch step by step, a step taking a + b·n_tokens (bench/sim/simulator.py
+`BatchService`: a job's time grows with the batch it shares; chunked prefill and the
+engine's priority guard as in workers/engine/scheduler.py; a and b of builtin:bench on
+one CPU thread). Workload: 10% high / 50% normal /
 40% low jobs, prompts from 32 tokens to near the 8k context limit. Tenants and their
 quotas (fractions of the fleet): gold-co 0.3 (gold, reserve 0.3), silver-a 0.3,
 silver-b 0.3, and bronze-x 0.1 (bronze, hard limit 0.1), which sends 10× its quota's
@@ -14,7 +16,8 @@ low 300 s. Two scenarios, each replayed for every policy with the same jobs: "un
 (30% load for 120 s) and "burst" (100% load, then 10 s at 5×, then 100% until 120 s;
 load = offered jobs ÷ what the full fleet serves). Percentiles pool the seeds.
 
-One row per policy (FIFO, strict priority, kvfleet), all under the burst:
+One row per policy (FIFO, strict priority, kvfleet, and `kvfleet_no_shed`: kvfleet with
+bronze never shed, to show what shedding costs), all under the burst:
 - high p99 × unloaded: the high class's p99 end-to-end over the same policy's unloaded
   p99; a high job that never ran (expired, shed) counts as infinitely late;
 - low p99 wait: the low class's p99 wait with every shed or expired job a failure
@@ -40,8 +43,9 @@ and the send) and `dispatch_to_start_p50_ms` / `_p99_ms` (submission → `starte
 the worker writes on taking the task, after the admission is durable and the task sent).
 A burst: `dispatch_burst_jobs_per_s`, the jobs admitted after the first admission batch
 over first → last admission, bounded by how fast the workers free slots. The output
-names the workers, their KV tokens and slots. `--sim-only` skips it; `--live-only` runs
-only it and writes nothing.
+names the workers, their KV tokens and slots. `--sim-only` skips it and keeps the live
+figures of the scheduler.json it rewrites (`live_command` names the run that measured
+them); `--live-only` runs only it and writes nothing.
 
 Prints tables, writes <out>/scheduler.json and <out>/scheduler.png.
 """
@@ -86,7 +90,17 @@ from bench.sim.simulator import (BatchService, JobRecord, Phase, SimResult, SimT
                                  make_jobs, simulate)
 from tests.fleet import Fleet  # noqa: E402  (the integration tests' process launcher)
 
-POLICIES = (Policy, FifoPolicy, StrictPriorityPolicy)
+class NoShedPolicy(Policy):
+    """kvfleet's policy with bronze never shed (`bronze_shed_after_s` infinite): the row
+    that shows what shedding the abusive tenant's excess costs on the bench's keys."""
+
+    name = "kvfleet_no_shed"
+
+    def __init__(self, config: PolicyConfig, tenants) -> None:
+        super().__init__(config.replace(bronze_shed_after_s=math.inf), tenants)
+
+
+POLICIES = (Policy, FifoPolicy, StrictPriorityPolicy, NoShedPolicy)
 BASELINES = ("fifo", "strict")
 HELLO = ByteTokenizer().encode("hello")  # builtin:tiny's tokens for "hello", as the API sends them
 CONFIG = PolicyConfig()
@@ -238,17 +252,17 @@ def fmt(v: float | None, spec: str = ".2f") -> str:
 
 
 def print_table(report: dict) -> None:
-    print(f"\n{'policy':8} {'high p99 ×':>10} {'low p99 wait':>12} {'(compliant)':>11} {'low failed':>10} "
+    print(f"\n{'policy':15} {'high p99 ×':>10} {'low p99 wait':>12} {'(compliant)':>11} {'low failed':>10} "
           f"{'jain':>6} {'goodput tok/s':>13} {'÷ best base':>11}  misses")
     for name, s in report["policies"].items():
-        print(f"{name:8} {fmt(s['high_p99_over_unloaded']):>10} {fmt(s['low_p99_wait_s'], '.1f'):>12} "
+        print(f"{name:15} {fmt(s['high_p99_over_unloaded']):>10} {fmt(s['low_p99_wait_s'], '.1f'):>12} "
               f"{fmt(s['low_p99_wait_compliant_s'], '.1f'):>11} {s['low_failed']:10d} {s['jain_vs_quota']:6.3f} "
               f"{s['goodput_tokens_per_s']:13.0f} {s['goodput_over_best_baseline']:11.2f}  "
               f"{', '.join(s['misses']) or '-'}")
-    print(f"{'':8} {'class':7} {'done':>6} {'late':>5} {'shed':>5} {'expired':>7} {'wait p99':>9} {'e2e p99':>8}")
+    print(f"{'':15} {'class':7} {'done':>6} {'late':>5} {'shed':>5} {'expired':>7} {'wait p99':>9} {'e2e p99':>8}")
     for name, s in report["policies"].items():
         for cls, c in s["classes"].items():
-            print(f"{name:8} {cls:7} {c['done']:6d} {c['late']:5d} {c['shed']:5d} {c['expired']:7d} "
+            print(f"{name:15} {cls:7} {c['done']:6d} {c['late']:5d} {c['shed']:5d} {c['expired']:7d} "
                   f"{fmt(c['wait_p99_s']):>9} {fmt(c['e2e_p99_s']):>8}")
 
 
@@ -556,9 +570,23 @@ def _cleanup(kafka: KafkaSettings, topics: list[str], redis_urls: list[str], tag
             client.close()
 
 
-#: live_dispatch()'s figures, null in a --sim-only run.
+#: live_dispatch()'s figures (a --sim-only run carries them over from the file it rewrites).
 LIVE_KEYS = ("dispatch_p50_ms", "dispatch_p99_ms", "dispatch_to_start_p50_ms", "dispatch_to_start_p99_ms",
              "admitted_to_start_p50_ms", "admitted_to_start_p99_ms", "dispatch_burst_jobs_per_s")
+
+
+def _earlier_live(path: Path) -> dict:
+    """A --sim-only run keeps the live figures of the file it replaces (they measure code
+    the simulation does not touch), with `live_command` naming the run that measured
+    them; null when there are none."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        earlier = {}
+    if earlier.get(LIVE_KEYS[0]) is None:
+        return dict.fromkeys(LIVE_KEYS) | {"live_command": None}
+    kept = {k: v for k, v in earlier.items() if k.startswith(("dispatch_", "admitted_to_start_"))}
+    return kept | {"live_command": earlier.get("live_command") or earlier.get("command")}
 
 
 def print_live(r: dict) -> None:
@@ -611,9 +639,9 @@ def main() -> None:
                   command=" ".join(["python", "bench/scheduler.py", *sys.argv[1:]]))
     print_table(report)
     if args.sim_only:
-        report.update(dict.fromkeys(LIVE_KEYS))
+        report.update(_earlier_live(args.out / "scheduler.json"))
     else:
-        report.update(live_dispatch(**live_sizes))
+        report.update(live_dispatch(**live_sizes), live_command=report["command"])
         print_live(report)
     print(f"\nkvfleet: targets {'met' if report['targets_met'] else 'MISSED: ' + ', '.join(kv['misses'])} "
           f"({report['sim_seconds']} s of simulation)")

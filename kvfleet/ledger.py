@@ -155,12 +155,13 @@ def ledger_keys(keys: Keys) -> list[str]:
 
 @dataclass(frozen=True)
 class Usage:
-    """Tokens reserved now, in total and split by tenant and by class."""
+    """Tokens reserved now, in total and split by tenant, by class and by both."""
 
     in_use: int = 0
     jobs: int = 0  # reservations: jobs admitted or running
     by_tenant: dict[str, int] = field(default_factory=dict)
     by_class: dict[Priority, int] = field(default_factory=dict)
+    by_tenant_class: dict[tuple[str, Priority], int] = field(default_factory=dict)
 
 
 class Ledger:
@@ -201,7 +202,7 @@ class Ledger:
 
     def usage(self) -> Usage:
         raw = self._snapshot(keys=[self._keys[0], self._keys[2]])
-        total, by_tenant, by_class = 0, {}, {}
+        total, by_tenant, by_class, by_both = 0, {}, {}, {}
         for i in range(0, len(raw), 3):
             tokens = int(raw[i + 1])
             tenant, _, priority = raw[i + 2].decode().partition(" ")
@@ -210,4 +211,7 @@ class Ledger:
                 by_tenant[tenant] = by_tenant.get(tenant, 0) + tokens
             if priority:
                 by_class[Priority(priority)] = by_class.get(Priority(priority), 0) + tokens
-        return Usage(total, len(raw) // 3, by_tenant, by_class)
+            if tenant and priority:
+                key = (tenant, Priority(priority))
+                by_both[key] = by_both.get(key, 0) + tokens
+        return Usage(total, len(raw) // 3, by_tenant, by_class, by_both)

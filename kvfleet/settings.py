@@ -310,8 +310,16 @@ class PolicyConfig:
     gold_reserve: float = knob(0.2, "GOLD_RESERVE", float)
     #: Default burst cap of a silver tenant, fraction of the budget.
     silver_burst: float = knob(0.6, "SILVER_BURST", float)
-    #: Default hard limit of a bronze tenant, fraction of the budget.
+    #: Default share of a bronze tenant, fraction of the budget: all it gets while others
+    #: have work waiting (beyond it only what `borrow_idle` lends).
     bronze_limit: float = knob(0.2, "BRONZE_LIMIT", float)
+    #: May a tenant over its share (silver's burst, bronze's limit) borrow what no other
+    #: tenant's waiting job wants? Borrowed work is admitted last and never holds the
+    #: budget, so it yields the next free tokens and slots to everyone within a share
+    #: (the fair-share rule of YARN, Kubernetes and Slurm: an idle share is lent, not
+    #: wasted). A tenant's own `limit` (kvfleet/tenancy.py) stays hard. Off: the shares
+    #: are hard limits, idle fleet or not.
+    borrow_idle: bool = knob(True, "BORROW_IDLE", _bool)
     #: Seconds a bronze job may wait before it is shed (the API answers 503 for it).
     bronze_shed_after_s: float = knob(30.0, "BRONZE_SHED_AFTER_S", float)
     #: Jobs buffered per class before its partitions pause: the policy's lookahead. Also

@@ -14,7 +14,9 @@ Tiers (what `share` means for each is applied by `scheduler.policy`):
 - gold:   `share` of the fleet's token budget is reserved for the tenant: others may
           never take it, so a gold job that fits in it is admitted at once.
 - silver: the shared pool; the tenant may burst up to `share` of the budget.
-- bronze: a hard limit of `share` of the budget, and shed first under overload.
+- bronze: `share` of the budget while others have work, and shed first under overload.
+Beyond its share a silver or bronze tenant borrows only what nobody else waits for
+(`PolicyConfig.borrow_idle`), admitted last; `limit`, when set, is a hard cap for any tier.
 
 `tokens_per_minute` and `burst_tokens` size the tenant's token bucket (kvfleet/quota.py),
 charged once, by the API, when a job is submitted.
@@ -61,6 +63,9 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: Fraction of the fleet budget (see the tiers above). None = the tier's default
     #: from `PolicyConfig`.
     share: Optional[Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]] = None
+    #: Hard cap, fraction of the fleet budget: never exceeded, idle fleet or not (a
+    #: contract's ceiling). None: none beyond what the tier's share and borrowing allow.
+    limit: Optional[Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]] = None
     api_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = []
     #: Whose KV cache this tenant shares. None: its own alone (the default: a cache hit,
     #: its latency or `cached_tokens` would tell one tenant what another sent). Tenants
@@ -128,6 +133,9 @@ class Tenancy:
             if tenant.name in by_name:
                 raise ValueError(f"{ENV_VAR}: tenant {tenant.name!r} is listed twice")
             by_name[tenant.name] = tenant
+            if tenant.limit is not None and tenant.share is not None and tenant.limit < tenant.share:
+                raise ValueError(f"{ENV_VAR}: tenant {tenant.name!r} has a limit of {tenant.limit} below its "
+                                 f"share of {tenant.share}; a hard limit must be at least the share")
         reserved = sum(t.share or 0.0 for t in tenants if t.tier is Tier.GOLD)
         if reserved > MAX_GOLD_RESERVED:
             raise ValueError(

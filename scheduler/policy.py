@@ -16,9 +16,15 @@ What one `schedule()` call does, in order:
      2: borrowing (its class is over its share): by aged priority,
         rank - wait / aging_s, so a lower class overtakes fresh higher ones in time.
    Work-conserving: a share nobody uses is lent (level 2) instead of held idle.
-4. Fit. A job is admitted if its tenant's tier allows it (silver: burst cap, bronze:
-   hard limit) and its cost fits in the free budget, where the unused part of every
-   gold tenant's reserve is room for that tenant only.
+4. Fit. A job is admitted if it fits in the free budget, where the unused part of
+   every gold tenant's reserve is room for that tenant only, and its tenant is within
+   its share (silver: burst cap, bronze: its limit) and under its hard `limit` if it
+   has one.
+   Borrowing (`borrow_idle`): a job that would take its tenant over its share (but not
+   over a hard `limit`) is set aside and considered after every other job of the call,
+   for what they left: capacity nobody within a share is waiting for. It never holds
+   the budget, and nothing is borrowed while it is held, so borrowed work is the first
+   to give way: the tokens and slots it frees go to jobs within their shares first.
 5. Hold. The first job blocked by the budget that has waited its class's
    `reserve_after_s` holds the line: nothing after it takes the shared budget in this
    call, so the tokens that free up accumulate for it and a stream of small jobs
@@ -84,6 +90,9 @@ class Budget:
     #: is admitted only into a free slot as well as into free tokens.
     slots: int = 0
     jobs: int = 0
+    #: Tokens by (tenant, class): a tenant's share is filled by its best classes first.
+    #: Left empty (with `tenant_in_use` set), every class of a tenant counts its total.
+    tenant_class_in_use: Mapping[tuple[str, Priority], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,8 @@ class Room:
         self.capacity = budget.capacity
         self.tenant_in_use = dict(budget.tenant_in_use)
         self.class_in_use = dict(budget.class_in_use)
+        self.tenant_class_in_use = dict(budget.tenant_class_in_use)
+        self._by_class_known = bool(budget.tenant_class_in_use) or not budget.tenant_in_use
         self.unused_reserve = {t: max(0, r - self.tenant_in_use.get(t, 0)) for t, r in reserves.items()}
         # Negative when in use exceeds the capacity (a worker just died): nothing fits.
         self.shared = budget.capacity - budget.in_use - sum(self.unused_reserve.values())
@@ -125,6 +136,14 @@ class Room:
     @property
     def slots_left(self) -> bool:
         return self.free_slots is None or self.free_slots > 0
+
+    def tenant_ahead(self, job: "PendingJob") -> int:
+        """Tokens the job's tenant holds in its class and the better ones: what fills its
+        share before this job (its lower classes' work is borrowing, or yields to it)."""
+        if not self._by_class_known:
+            return self.tenant_in_use.get(job.tenant, 0)
+        return sum(self.tenant_class_in_use.get((job.tenant, p), 0) for p in Priority
+                   if p.rank <= job.priority.rank)
 
     def free_for(self, tenant: str, *, shared: bool = True) -> int:
         return self.unused_reserve.get(tenant, 0) + (max(0, self.shared) if shared else 0)
@@ -138,6 +157,8 @@ class Room:
             self.free_slots -= 1
         self.tenant_in_use[job.tenant] = self.tenant_in_use.get(job.tenant, 0) + job.cost
         self.class_in_use[job.priority] = self.class_in_use.get(job.priority, 0) + job.cost
+        key = (job.tenant, job.priority)
+        self.tenant_class_in_use[key] = self.tenant_class_in_use.get(key, 0) + job.cost
 
 
 class Policy:
@@ -210,7 +231,8 @@ class Policy:
         heads = {p: 0 for p in Priority}
         admitted: list[PendingJob] = []
         holding: Optional[PendingJob] = None
-        held_tenants: set[str] = set()  # their own tier limit is being held for one of their jobs
+        held_tenants: set[str] = set()  # their own limit is being held for one of their jobs
+        borrowers: list[PendingJob] = []  # over their tenant's share: last, from what is left
         while room.slots_left:  # every worker thread taken: the rest waits for one
             candidates = [(self._rank(q[heads[p]], now, room), p) for p, q in queues.items() if heads[p] < len(q)]
             if not candidates:
@@ -221,17 +243,29 @@ class Policy:
             due = now - job.enqueued_at >= self.config.of(p).reserve_after_s
             if job.tenant in held_tenants:
                 continue
-            if not self._tenant_allows(job, room):
-                # Over its tier limit: it waits without blocking other tenants, and once
+            hard = self._hard_cap(job)
+            if self._tenant_in_use(job, room) + job.cost > hard * room.capacity:
+                # Over its hard limit: it waits without blocking other tenants, and once
                 # due, the tenant's own smaller jobs stop taking the room it needs.
-                if due and job.cost <= self._tenant_cap(job) * room.capacity:
+                if due and job.cost <= hard * room.capacity:
                     held_tenants.add(job.tenant)
+                continue
+            if room.tenant_ahead(job) + job.cost > self._tenant_cap(job) * room.capacity:
+                borrowers.append(job)  # over its share, within its hard limit
                 continue
             if job.cost <= room.free_for(job.tenant, shared=holding is None):
                 room.take(job)
                 admitted.append(job)
             elif holding is None and due and self._could_fit(job, room):
                 holding = job  # from here on only gold tenants' own reserves are taken
+        if holding is None:  # a held budget is lent to no one: it accumulates for the held job
+            for job in borrowers:
+                if not room.slots_left:
+                    break
+                if (job.cost <= room.free_for(job.tenant)
+                        and self._tenant_in_use(job, room) + job.cost <= self._hard_cap(job) * room.capacity):
+                    room.take(job)
+                    admitted.append(job)
         return admitted, holding
 
     def _rank(self, job: PendingJob, now: float, room: Room) -> tuple:
@@ -244,13 +278,26 @@ class Policy:
             return (1, job.priority.rank, job.enqueued_at, job.job_id)
         return (2, job.priority.rank - wait / self.config.aging_s, job.enqueued_at, job.job_id)
 
-    def _tenant_allows(self, job: PendingJob, room: Room) -> bool:
-        return room.tenant_in_use.get(job.tenant, 0) + job.cost <= self._tenant_cap(job) * room.capacity
+    @staticmethod
+    def _tenant_in_use(job: PendingJob, room: Room) -> int:
+        return room.tenant_in_use.get(job.tenant, 0)
 
     def _tenant_cap(self, job: PendingJob) -> float:
-        """Most of the budget the job's tenant may hold, as a fraction: gold has no cap
-        beyond the budget (its reserve is a floor), silver its burst, bronze its limit."""
-        return 1.0 if job.tier is Tier.GOLD else self._share(job.tenant, job.tier)
+        """Most of the budget the job's tenant may hold while others wait, as a fraction:
+        gold has no cap beyond the budget (its reserve is a floor), silver its burst,
+        bronze its limit; at most its hard cap."""
+        share = 1.0 if job.tier is Tier.GOLD else self._share(job.tenant, job.tier)
+        return min(share, self._hard_cap(job))
+
+    def _hard_cap(self, job: PendingJob) -> float:
+        """Most of the budget the job's tenant may ever hold: its own `limit`; without
+        one the whole budget, or its share when shares are not lent (`borrow_idle` off)."""
+        known = self.tenants.get(job.tenant)
+        if known is not None and known.limit is not None:
+            return known.limit
+        if self.config.borrow_idle or job.tier is Tier.GOLD:
+            return 1.0
+        return self._share(job.tenant, job.tier)
 
     def _could_fit(self, job: PendingJob, room: Room) -> bool:
         """Holding the budget for a job that could never fit would stall the fleet."""

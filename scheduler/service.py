@@ -391,7 +391,7 @@ class SchedulerService:
             return Budget(0, 0)  # nothing buffered to place: spare the two reads
         usage = self.ledger.usage()
         return Budget(self.capacity.read(), usage.in_use, usage.by_tenant, usage.by_class,
-                      slots=self.capacity.slots(), jobs=usage.jobs)
+                      slots=self.capacity.slots(), jobs=usage.jobs, tenant_class_in_use=usage.by_tenant_class)
 
     def dispatch(self, decision: Decision, now: float) -> None:
         """The jobs to send again first (they were admitted before), then the policy's choice."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.scheduler import burst_rate
@@ -22,3 +24,19 @@ def test_order_does_not_matter():
 def test_one_batch_has_no_interval():
     with pytest.raises(ValueError, match="one batch"):
         burst_rate([5.0, 5.0, 5.0])
+
+
+def test_a_sim_only_run_keeps_the_live_figures_it_did_not_measure(tmp_path):
+    from bench.scheduler import LIVE_KEYS, _earlier_live
+
+    path = tmp_path / "scheduler.json"
+    assert _earlier_live(path) == dict.fromkeys(LIVE_KEYS) | {"live_command": None}  # no earlier file
+    path.write_text(json.dumps({"command": "python bench/scheduler.py --quick", "seeds": 3,
+                                "dispatch_p50_ms": 2.5, "dispatch_workers": 2, "admitted_to_start_p50_ms": 1.0,
+                                "kvfleet_jain_vs_quota": 0.9}))
+    kept = _earlier_live(path)
+    assert kept == {"dispatch_p50_ms": 2.5, "dispatch_workers": 2, "admitted_to_start_p50_ms": 1.0,
+                    "live_command": "python bench/scheduler.py --quick"}
+    path.write_text(json.dumps({"command": "python bench/scheduler.py --sim-only", "dispatch_p50_ms": 2.5,
+                                "live_command": "python bench/scheduler.py"}))
+    assert _earlier_live(path)["live_command"] == "python bench/scheduler.py"  # still the run that measured

@@ -173,6 +173,8 @@ def test_usage_splits_by_tenant_and_class(redis_client, prefix):
     assert usage.in_use == 7_000
     assert usage.by_tenant == {"acme": 3_000, "globex": 4_000}
     assert usage.by_class == {Priority.HIGH: 1_000, Priority.LOW: 6_000}
+    assert usage.by_tenant_class == {("acme", Priority.HIGH): 1_000, ("acme", Priority.LOW): 2_000,
+                                     ("globex", Priority.LOW): 4_000}
 
 
 def test_job_store_finish_releases_the_reservation(redis_client, prefix):

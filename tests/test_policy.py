@@ -104,12 +104,63 @@ def test_gold_reserve_is_kept_for_the_gold_tenant():
     assert ids(policy.schedule(1.1, budget).admit) == ["gold"]
 
 
-def test_bronze_hits_its_hard_limit_while_others_run():
+def test_bronze_over_its_share_borrows_only_what_others_leave():
     policy = Policy(PolicyConfig(bronze_limit=0.2))
     policy.add(job("bronze", NORMAL, 1000, 0.0, tenant="cheap", tier=Tier.BRONZE))
-    policy.add(job("silver", NORMAL, 1000, 0.0, tenant="acme"))
+    policy.add(job("silver", NORMAL, 1000, 1.0, tenant="acme"))
     budget = Budget(10_000, 1_500, tenant_in_use={"cheap": 1_500})
-    assert ids(policy.schedule(0.1, budget).admit) == ["silver"]
+    # Bronze is over its 20% and older, yet the tenant within its share goes first; the
+    # room left is idle, so bronze borrows it.
+    assert ids(policy.schedule(1.1, budget).admit) == ["silver", "bronze"]
+    # No room left after the silver job: nothing is lent.
+    policy.add(job("bronze2", NORMAL, 1000, 0.0, tenant="cheap", tier=Tier.BRONZE))
+    policy.add(job("silver2", NORMAL, 1000, 1.0, tenant="acme"))
+    assert ids(policy.schedule(1.2, Budget(10_000, 9_000, tenant_in_use={"cheap": 1_500})).admit) == ["silver2"]
+
+
+def test_borrowed_work_yields_to_a_higher_class_of_a_tenant_within_its_share():
+    # Borrowing, even a high job comes after the normal jobs of every tenant within its
+    # share (the tenant's split by class unknown here: its total counts).
+    policy = Policy(PolicyConfig(bronze_limit=0.2))
+    policy.add(job("borrow", HIGH, 900, 0.0, tenant="cheap", tier=Tier.BRONZE))
+    policy.add(job("n1", NORMAL, 1000, 5.0, tenant="acme"))
+    budget = Budget(10_000, 8_500, tenant_in_use={"cheap": 2_000})
+    assert ids(policy.schedule(5.1, budget).admit) == ["n1"]  # 500 left: the borrower waits
+    # The tenant's share is filled by its best class first: its borrowed low work does
+    # not make its high job a borrower.
+    policy = Policy(PolicyConfig(bronze_limit=0.2))
+    policy.add(job("cheap-high", HIGH, 1000, 1.0, tenant="cheap", tier=Tier.BRONZE))
+    policy.add(job("acme-low", LOW, 1000, 0.0, tenant="acme"))
+    budget = Budget(10_000, 9_000, tenant_in_use={"cheap": 6_000},
+                    tenant_class_in_use={("cheap", LOW): 6_000})
+    assert ids(policy.schedule(1.1, budget).admit) == ["cheap-high"]
+
+
+def test_borrowers_never_hold_and_take_nothing_while_the_budget_is_held():
+    policy = Policy(PolicyConfig(silver_burst=1.0, bronze_limit=0.1))
+    policy.add(job("long", NORMAL, 900, 0.0))
+    policy.add(job("borrow", NORMAL, 100, 0.0, tenant="cheap", tier=Tier.BRONZE))
+    held = policy.schedule(6.0, Budget(1000, 800, tenant_in_use={"cheap": 100}))
+    assert held.holding.job_id == "long" and held.admit == ()  # it fits, but the budget is held
+    # A borrower that waited long does not hold for itself: smaller jobs pass it.
+    policy = Policy(PolicyConfig(silver_burst=1.0, bronze_limit=0.1))
+    policy.add(job("big-borrow", NORMAL, 900, 0.0, tenant="cheap", tier=Tier.BRONZE))
+    policy.add(job("small", NORMAL, 100, 9.0))
+    decision = policy.schedule(10.0, Budget(1000, 800, tenant_in_use={"cheap": 100}))
+    assert decision.holding is None and ids(decision.admit) == ["small"]
+
+
+def test_a_hard_limit_stays_hard_on_an_idle_fleet():
+    tenants = {"capped": Tenant(name="capped", tier=Tier.SILVER, tokens_per_minute=1, share=0.2, limit=0.3)}
+    policy = Policy(PolicyConfig(), tenants)
+    for i in range(3):
+        policy.add(job(f"c{i}", NORMAL, 1000, 0.0, tenant="capped"))
+    # 2,000 in use: one more borrows up to the 30% limit; the next would pass it.
+    assert ids(policy.schedule(1.0, Budget(10_000, 2_000, tenant_in_use={"capped": 2_000})).admit) == ["c0"]
+    # Without borrowing every share is a hard limit, as bronze's was before.
+    policy = Policy(PolicyConfig(bronze_limit=0.2, borrow_idle=False))
+    policy.add(job("bronze", NORMAL, 1000, 0.0, tenant="cheap", tier=Tier.BRONZE))
+    assert policy.schedule(1.0, Budget(10_000, 1_500, tenant_in_use={"cheap": 1_500})).admit == ()
 
 
 def test_bronze_is_shed_first_under_overload():
@@ -141,7 +192,8 @@ def test_pause_when_budget_spent_and_resume_as_it_frees():
 
 
 def test_a_tenant_at_its_limit_pauses_only_its_own_partition():
-    policy = Policy(PolicyConfig(max_buffered=2, bronze_limit=0.1))
+    tenants = {"cheap": Tenant(name="cheap", tier=Tier.BRONZE, tokens_per_minute=1, share=0.1, limit=0.1)}
+    policy = Policy(PolicyConfig(max_buffered=2), tenants)
     for i in range(2):
         policy.add(job(f"b{i}", LOW, 500, 0.0, tenant="cheap", tier=Tier.BRONZE, partition=1))
     budget = Budget(10_000, 1_000, tenant_in_use={"cheap": 1_000})

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from bench.sim.baselines import FifoPolicy, StrictPriorityPolicy
-from bench.sim.simulator import Phase, Workload, make_jobs, simulate
+from bench.sim.simulator import BatchService, Phase, Workload, make_jobs, simulate
 from kvfleet.contracts import Priority
+from kvfleet.settings import PolicyConfig
 from kvfleet.tenancy import Tier
 from scheduler.policy import Policy
 
@@ -46,41 +51,77 @@ def test_the_burst_arrives_at_five_times_the_base_rate():
     assert 8.0 < burst / base < 12.0  # load 5.0 over 0.5
 
 
-def test_kvfleet_keeps_high_fast_and_sheds_only_bronze():
+def test_kvfleet_keeps_high_fast_and_sheds_only_bronze_if_any():
     def p99_wait(result, priority):
         waits = sorted(r.wait for r in result.records if r.job.priority is priority and r.wait is not None)
         return waits[int(0.99 * (len(waits) - 1))]
 
     kvfleet, fifo = run(Policy()), run(FifoPolicy())
     assert p99_wait(kvfleet, Priority.HIGH) < 0.5 * p99_wait(fifo, Priority.HIGH)
-    shed = [r for r in kvfleet.records if r.outcome == "shed"]
-    assert shed and all(r.job.tier is Tier.BRONZE for r in shed)
+    assert all(r.job.tier is Tier.BRONZE for r in kvfleet.records if r.outcome == "shed")
+
+
+def _batch_job(i, priority=Priority.NORMAL, prompt=100, new=50, t=0.0):
+    from scheduler.policy import PendingJob
+
+    return PendingJob(f"b{i}", "t", Tier.SILVER, priority, prompt_tokens=prompt, max_new_tokens=new, enqueued_at=t)
+
+
+def _finished(jobs, service, **kwargs) -> dict[str, float]:
+    result = simulate(Policy(PolicyConfig(silver_burst=1.0)), jobs, capacity=10**6, service=service,
+                      tick_s=0.01, **kwargs)
+    return {r.job.job_id: r.finished_at for r in result.records}
 
 
 def test_a_batch_slows_each_job_by_b_per_companion():
-    """Alone, a job takes a + b per token; ten side by side take ten times b each step."""
-    from bench.sim.simulator import BatchService
-    from scheduler.policy import PendingJob
-
+    """Alone, a job takes a + b per token; ten side by side take ten times b each step.
+    The step that ends a prompt samples the first token, as the engine's does."""
     service = BatchService(a_s=0.01, b_s_per_token=0.001, workers=1)
+    alone = (0.01 + 100 * 0.001) + 49 * (0.01 + 0.001)  # prefill step, then 49 steps of one token
+    ten = (0.01 + 10 * 100 * 0.001) + 49 * (0.01 + 10 * 0.001)
+    assert max(_finished([_batch_job(0)], service).values()) == pytest.approx(alone, abs=1e-9)
+    assert max(_finished([_batch_job(i) for i in range(10)], service).values()) == pytest.approx(ten, abs=1e-9)
 
-    def job(i):
-        return PendingJob(f"b{i}", "t", Tier.SILVER, Priority.NORMAL, prompt_tokens=100, max_new_tokens=50,
-                          enqueued_at=0.0)
 
-    def e2e(n):
-        result = simulate(Policy(), [job(i) for i in range(n)], capacity=10**6, service=service, tick_s=0.01)
-        return max(r.finished_at for r in result.records)
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_step_budget():
+    service = BatchService(a_s=0.01, b_s_per_token=0.001, workers=1, max_num_batched_tokens=256)
+    # 600 prompt tokens: chunks of 256, 256 and 88 (the last samples the first token), then 9 decodes.
+    expected = 2 * (0.01 + 0.256) + (0.01 + 0.088) + 9 * 0.011
+    assert _finished([_batch_job(0, prompt=600, new=10)], service)["b0"] == pytest.approx(expected, abs=1e-9)
 
-    alone = 100 * 0.001 + 50 * (0.01 + 0.001)  # prefill stall, then 50 steps of one token
-    ten = 10 * 100 * 0.001 + 50 * (0.01 + 10 * 0.001)
-    assert abs(e2e(1) - alone) < 1e-9
-    assert abs(e2e(10) - ten) < 1e-9
+
+def test_the_priority_guard_holds_lower_classes_back_while_high_runs():
+    """The engine's guard (workers/engine/scheduler.py): while a high job is in the
+    engine, lower classes get only the tokens that keep its steps within the slack."""
+    # a = b: a high decode step alone costs 2b, so slack 1.0 lets 2 lower tokens ride along.
+    service = BatchService(a_s=0.001, b_s_per_token=0.001, workers=1, priority_step_slack=1.0)
+    high = _batch_job(0, Priority.HIGH, prompt=1, new=100)
+    lows = [_batch_job(i, Priority.LOW, prompt=1, new=100) for i in (1, 2, 3, 4)]
+    done = _finished([high, *lows], service)
+    # High's steps: its token and the two oldest lows' (4 ms), for 100 steps.
+    assert done["b0"] == pytest.approx(100 * 0.004, abs=1e-9)
+    assert done["b1"] == done["b2"] == done["b0"]  # the two oldest rode along at full speed
+    assert done["b3"] > done["b0"] + 99 * 0.003  # the others waited for high to leave
+    # Without the guard all five share every step.
+    free = _finished([high, *lows], BatchService(a_s=0.001, b_s_per_token=0.001, workers=1,
+                                                 priority_step_slack=math.inf))
+    assert free["b0"] == pytest.approx(100 * 0.006, abs=1e-9) and free["b4"] == free["b0"]
+
+
+def test_queued_tasks_go_to_any_free_thread_high_first():
+    """Past its threads a worker takes nothing more; the Celery queue is read high first."""
+    service = BatchService(a_s=0.01, b_s_per_token=0.0, workers=2, max_seqs=1)
+    jobs = [_batch_job(0, new=10), _batch_job(1, new=20), _batch_job(2, Priority.LOW, new=10, t=0.001),
+            _batch_job(3, Priority.HIGH, new=10, t=0.002)]
+    result = simulate(FifoPolicy(), jobs, capacity=10**6, service=service, tick_s=0.01)
+    done = {r.job.job_id: r.finished_at for r in result.records}
+    # Both threads taken by b0 and b1; b0's frees at 0.1 s and high (b3), queued after
+    # low (b2), takes it first.
+    assert done["b3"] < done["b2"]
+    assert done["b3"] == pytest.approx(0.1 + 0.1, abs=0.011)  # starts at the tick after the thread frees
 
 
 def test_goodput_counts_only_jobs_in_time():
-    from bench.sim.simulator import BatchService
-
     w = Workload(seed=3, capacity_tokens=32_768, phases=(Phase(0, 20, 3.0),), timeout_s=10.0,
                  service=BatchService(workers=1))
     result = run(Policy(), w)

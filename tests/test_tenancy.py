@@ -68,3 +68,11 @@ def _with(**changes) -> str:
 def test_bad_configuration_says_what_to_fix(raw, message):
     with pytest.raises(ValueError, match=message):
         Tenancy.from_json(raw)
+
+
+def test_a_hard_limit_is_read_and_may_not_be_below_the_share():
+    ok = {"tenants": [{"name": "acme", "tier": "silver", "tokens_per_minute": 1000, "share": 0.2, "limit": 0.5}]}
+    assert Tenancy.from_json(json.dumps(ok)).tenants["acme"].limit == 0.5
+    bad = {"tenants": [{"name": "acme", "tier": "bronze", "tokens_per_minute": 1000, "share": 0.3, "limit": 0.1}]}
+    with pytest.raises(ValueError, match="limit of 0.1 below its share of 0.3"):
+        Tenancy.from_json(json.dumps(bad))

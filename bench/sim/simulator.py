@@ -2,12 +2,14 @@
 
 The fleet is its token budget: a job holds `cost` tokens from admission until it
 finishes. How long it runs is the service model's:
-- `BatchService` (the benchmark's): each worker runs one continuous batch; a step
-  computes one token for every decoding job on it plus the whole prompt of every job
-  joining it, and takes t(n) = a + b·n seconds for its n tokens (the engine's own
-  step-cost model, workers/engine/step_cost.py). So a job's time grows with the batch
-  it shares: every co-running job adds b to each of its steps, and every prompt that
-  joins its worker stalls it for b·prompt_tokens.
+- `BatchService` (the benchmark's): each worker runs its engine's continuous batch,
+  step by step as workers/engine/scheduler.py builds them: one token for every
+  decoding job, a chunk of every prompt still prefilling, within the step's token
+  budget, and the priority guard's allowance for the classes below the best one
+  present. A step of n tokens takes t(n) = a + b·n seconds (the engine's own step-cost
+  model, workers/engine/step_cost.py). So a job's time grows with the batch it shares:
+  every co-running job adds b to each of its steps, and every prompt that joins its
+  worker stalls it for b·prompt_tokens, unless the guard holds that work back.
 - `ServiceModel`: a fixed time per job (a floor plus time per prompt and per generated
   token), whatever else runs; the policy tests use it for exact timings.
 Each priority topic has one partition per tenant (Kafka keys by tenant), read
@@ -20,6 +22,7 @@ Deterministic: the same `Workload` (seed included) gives the same jobs and resul
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -29,8 +32,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvfleet.contracts import Priority
-from scheduler.policy import Budget, Partition, PendingJob, Policy
+from kvfleet.settings import EngineConfig
 from kvfleet.tenancy import Tier
+from scheduler.policy import Budget, Partition, PendingJob, Policy
+
+_ENGINE = EngineConfig()  # the engine's defaults, which the batch model follows
 
 
 @dataclass(frozen=True)
@@ -48,13 +54,17 @@ class ServiceModel:
 
 @dataclass(frozen=True)
 class BatchService:
-    """Workers running continuous batches with a step time of a + b·n_tokens.
+    """Workers running their engine's continuous batch, a step taking a + b·n_tokens.
 
-    Not modelled: chunked prefill (a prompt is computed in the step it joins), the
-    engine's per-step token budget and sequence limit, and its priority guard
-    (`priority_step_slack`: lower-class tokens held back while a higher class runs).
-    A job is placed on the worker with the fewest reserved tokens; the budget is the
-    fleet's, so one worker may hold more than a quarter of it."""
+    What the engine does with a step (workers/engine/scheduler.py) is modelled: prompts
+    are prefilled in chunks of the step's `max_num_batched_tokens`, decoding sequences
+    take one token a step, and the priority guard holds lower classes back while a
+    better class is in the engine: they share an allowance of the tokens that keep the
+    step within `priority_step_slack` of the best class's work alone (at least one a
+    step). Not modelled: preemption (the engine's block pool is never short here: the
+    ledger's budget keeps a worker's jobs within its KV), the prefix cache, and the
+    StepCost fit's warm-up (the guard uses the true a and b from the first step).
+    Admitted jobs wait in one Celery queue, high first, for a free thread of any worker."""
 
     #: Defaults: builtin:bench on one CPU thread, from bench/results/engine.json's
     #: uncontended runs (step = concurrency / tokens_per_s at 1, 8, 32 and 64
@@ -63,9 +73,12 @@ class BatchService:
     a_s: float = 0.003
     b_s_per_token: float = 0.00078
     workers: int = 4
-    #: Jobs a worker runs at once (its engine's max_num_seqs, its Celery threads); the
-    #: rest wait on it, first come first served, as tasks in its Celery queue do. 0: no limit.
+    #: Jobs a worker runs at once: its Celery threads (below the engine's max_num_seqs,
+    #: so the engine never queues). 0: no limit.
     max_seqs: int = 0
+    #: The engine's knobs, at their defaults (kvfleet/settings.py EngineConfig).
+    priority_step_slack: float = _ENGINE.priority_step_slack
+    max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
 
     def step_s(self, tokens: int) -> float:
         return self.a_s + self.b_s_per_token * tokens
@@ -198,61 +211,106 @@ class SimResult:
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
 
 
+class _Seq:
+    """One job in a worker's engine: its prompt still to prefill, its tokens still to sample."""
+
+    __slots__ = ("job", "key", "prompt_left", "gen_left")
+
+    def __init__(self, job: PendingJob, order: int) -> None:
+        self.job = job
+        self.key = (job.priority.rank, order)  # the engine's Sequence.sort_key: class, then arrival
+        self.prompt_left = job.prompt_tokens
+        self.gen_left = job.max_new_tokens
+
+    @property
+    def wanted(self) -> int:
+        """Tokens it would compute in a step: the rest of its prompt, or one decode token."""
+        return self.prompt_left or 1
+
+    def compute(self, steps: int, tokens: int) -> None:
+        """`steps` steps of `tokens` each; the step that ends the prompt samples the first token."""
+        if self.prompt_left:
+            self.prompt_left -= steps * tokens
+            if not self.prompt_left:
+                self.gen_left -= 1
+        else:
+            self.gen_left -= steps
+
+
 class _Worker:
-    """One continuous batch on a virtual clock. Steps are counted, not enumerated: while
-    the batch does not change, every job on it gains one token per a + b·n seconds, so a
-    job joining at step S with m tokens to generate leaves at step S + m. A joining
-    prompt adds b·prompt_tokens to the next step (`stall_s`), for every job on it."""
+    """One engine on a virtual clock, step by step as workers/engine/scheduler.py builds
+    them (`grants`), but counted, not enumerated: while no sequence changes phase (its
+    prompt done, its last token), every step grants the same tokens to the same
+    sequences, so `advance` jumps over such runs of steps at once."""
 
     def __init__(self, service: BatchService) -> None:
         self.service = service
         self.clock = 0.0
-        self.steps = 0.0  # decode steps done since the start (fractional between events)
-        self.stall_s = 0.0  # prefill time still to pay before decoding goes on
         self.reserved = 0  # tokens of the jobs on it: placement's load measure
-        self.running: list[tuple[float, int, PendingJob]] = []  # heap by the step it finishes at
-        self.queued: deque[tuple[PendingJob, int]] = deque()  # past max_seqs: wait for a thread, FIFO
+        self.running: list[_Seq] = []  # in service order (sort key)
+        self.finished: list[tuple[PendingJob, float]] = []  # computed to the end after the last `advance(to)`
+        self._order = itertools.count()
 
     @property
     def jobs(self) -> int:
-        return len(self.running) + len(self.queued)
+        """Task threads taken: running, or finished after the moment the fleet has reached."""
+        return len(self.running) + len(self.finished)
 
-    def join(self, job: PendingJob, seq: int) -> None:
+    @property
+    def free_threads(self) -> bool:
+        return not self.service.max_seqs or self.jobs < self.service.max_seqs
+
+    def join(self, job: PendingJob) -> None:
         self.reserved += job.cost
-        if self.service.max_seqs and len(self.running) >= self.service.max_seqs:
-            self.queued.append((job, seq))
-            return
-        self._run(job, seq)
+        bisect.insort(self.running, _Seq(job, next(self._order)), key=lambda s: s.key)
 
-    def _run(self, job: PendingJob, seq: int) -> None:
-        self.stall_s += self.service.b_s_per_token * job.prompt_tokens
-        heapq.heappush(self.running, (self.steps + job.max_new_tokens, seq, job))
+    def grants(self) -> list[int]:
+        """Tokens each running sequence computes in the next step (0: held back).
+
+        The engine's `Scheduler.schedule`: the best class present sets the pace and is
+        served first; then, while it is there, the lower classes share an allowance of
+        the tokens that keep the step within `priority_step_slack` of the best class's
+        work alone (StepCost.extra_tokens, with the service's a and b as the fit), at
+        least one, handed out in service order; everything within the step's
+        `max_num_batched_tokens` (a long prompt is prefilled in chunks)."""
+        s = self.service
+        top = self.running[0].key[0]
+        budget = s.max_num_batched_tokens
+        grants = []
+        allowance: Optional[int] = None
+        for seq in self.running:
+            if allowance is None and seq.key[0] > top and not math.isinf(s.priority_step_slack):
+                alone = max(s.step_s(s.max_num_batched_tokens - budget), s.b_s_per_token)
+                allowance = max(1, int(s.priority_step_slack * alone / s.b_s_per_token))
+            n = min(seq.wanted, budget)
+            if allowance is not None:
+                n = min(n, allowance)
+                allowance -= n
+            budget -= n
+            grants.append(n)
+        return grants
 
     def advance(self, to: float) -> list[tuple[PendingJob, float]]:
-        """Run the batch until `to`; the jobs that finished, with when."""
-        finished: list[tuple[PendingJob, float]] = []
-        while self.clock < to and self.running:
-            if self.stall_s > 0:
-                paid = min(self.stall_s, to - self.clock)
-                self.clock += paid
-                self.stall_s -= paid
-                continue
-            step_s = self.service.step_s(len(self.running))  # one decode token per job
-            at = self.clock + (self.running[0][0] - self.steps) * step_s
-            if at > to:
-                self.steps += (to - self.clock) / step_s
-                break
-            self.clock, self.steps = at, self.running[0][0]
-            while self.running and self.running[0][0] <= self.steps:
-                job = heapq.heappop(self.running)[2]
-                self.reserved -= job.cost
-                finished.append((job, at))
-            while self.queued and len(self.running) < self.service.max_seqs:
-                self._run(*self.queued.popleft())  # a thread came free
+        """Run the engine's steps that start before `to`; the jobs finished by `to`, with when."""
+        while self.running and self.clock < to:
+            grants = self.grants()
+            step_s = self.service.step_s(sum(grants))
+            # Steps with these same grants: until a sequence ends its prompt or its
+            # output (a chunk that takes a prompt's rest changes the next step's grant).
+            k = min((seq.prompt_left or seq.gen_left) // n for seq, n in zip(self.running, grants) if n)
+            k = min(k, math.ceil((to - self.clock) / step_s))
+            self.clock += k * step_s
+            for seq, n in zip(list(self.running), grants):
+                if n:
+                    seq.compute(k, n)
+                    if not seq.gen_left:
+                        self.running.remove(seq)
+                        self.reserved -= seq.job.cost
+                        self.finished.append((seq.job, self.clock))
         self.clock = max(self.clock, to)
-        if not self.running:
-            self.stall_s = 0.0
-        return finished
+        done = [(job, at) for job, at in self.finished if at <= to]
+        self.finished = [(job, at) for job, at in self.finished if at > to]
+        return done
 
 
 class _Fleet:
@@ -264,13 +322,18 @@ class _Fleet:
         self.in_use = 0
         self.by_tenant: dict[str, int] = {}
         self.by_class: dict[Priority, int] = {}
+        self.by_tenant_class: dict[tuple[str, Priority], int] = {}
         self.fixed: list[tuple[float, int, PendingJob]] = []  # ServiceModel: heap by finish time
         self.workers = [_Worker(service) for _ in range(service.workers)] if isinstance(service, BatchService) else []
+        #: Admitted tasks no thread has taken yet: the Celery queues, read high first and
+        #: FIFO within a class by whichever worker's thread is free (kvfleet/celery_app.py:
+        #: queue_order_strategy "priority", prefetch 1 per thread).
+        self.celery: list[tuple[int, int, PendingJob]] = []
         self._seq = itertools.count()
 
     @property
     def busy(self) -> bool:
-        return bool(self.fixed) or any(w.running for w in self.workers)
+        return bool(self.fixed) or bool(self.celery) or any(w.jobs for w in self.workers)
 
     def start(self, job: PendingJob, now: float) -> Optional[float]:
         """Start `job` now; its finish time if the service model knows it already."""
@@ -279,7 +342,8 @@ class _Fleet:
             finish = now + self.service.seconds(job.prompt_tokens, job.max_new_tokens)
             heapq.heappush(self.fixed, (finish, next(self._seq), job))
             return finish
-        min(self.workers, key=lambda w: w.reserved).join(job, next(self._seq))
+        heapq.heappush(self.celery, (job.priority.rank, next(self._seq), job))
+        self._hand_out()
         return None
 
     def finish_until(self, now: float) -> list[tuple[PendingJob, float]]:
@@ -292,19 +356,32 @@ class _Fleet:
             finished.extend(w.advance(now))
         for job, _ in finished:
             self._add(job, -job.cost)
+        self._hand_out()  # threads freed by now take queued tasks (at the tick, not at the finish)
         return finished
+
+    def _hand_out(self) -> None:
+        """Queued tasks to free threads, best first; among workers with a free thread,
+        the one with the fewest reserved tokens."""
+        while self.celery:
+            free = [w for w in self.workers if w.free_threads]
+            if not free:
+                return
+            min(free, key=lambda w: w.reserved).join(heapq.heappop(self.celery)[2])
 
     def _add(self, job: PendingJob, tokens: int) -> None:
         self.in_use += tokens
         self.by_tenant[job.tenant] = self.by_tenant.get(job.tenant, 0) + tokens
         self.by_class[job.priority] = self.by_class.get(job.priority, 0) + tokens
+        key = (job.tenant, job.priority)
+        self.by_tenant_class[key] = self.by_tenant_class.get(key, 0) + tokens
 
     def budget(self) -> Budget:
         # Slots as the workers' heartbeats report them (kvfleet/capacity.py): the policy
         # admits into free threads; FIFO and strict priority do not look (their `_admit`).
         slots = self.service.max_seqs * self.service.workers if isinstance(self.service, BatchService) else 0
-        jobs = sum(w.jobs for w in self.workers) if slots else 0
-        return Budget(self.capacity, self.in_use, dict(self.by_tenant), dict(self.by_class), slots=slots, jobs=jobs)
+        jobs = sum(w.jobs for w in self.workers) + len(self.celery) if slots else 0
+        return Budget(self.capacity, self.in_use, dict(self.by_tenant), dict(self.by_class), slots=slots, jobs=jobs,
+                      tenant_class_in_use=dict(self.by_tenant_class))
 
 
 class _Topics:
