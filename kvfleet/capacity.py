@@ -9,6 +9,10 @@ no cleanup needed. The scheduler budgets with it, the API reads it for its load 
 Slots are the jobs a worker runs at once (its Celery task threads). The budget counts
 them beside tokens: a fleet with tokens to spare but every thread busy would otherwise
 admit jobs that only wait in the Celery queue, past their admission lease.
+
+Jobs per message: the most jobs one Celery message may carry for every live worker to
+take it (`WorkerHeartbeat.jobs_per_message`), so a fleet with one worker from before
+multi-job messages gets one job per message until that worker is gone.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class FleetCapacity:
         # 200 ms reads the registry at most once per cache_s.
         self.cache_s = cache_s
         self._clock = clock
-        self._cached: Optional[tuple[float, tuple[int, int]]] = None
+        self._cached: Optional[tuple[float, tuple[int, int, int]]] = None
 
     def heartbeats(self) -> list[WorkerHeartbeat]:
         return registry.live(self.client, self.keys)
@@ -52,7 +56,12 @@ class FleetCapacity:
         report its slots, from before they were counted)."""
         return self._read()[1]
 
-    def _read(self) -> tuple[int, int]:
+    def jobs_per_message(self) -> int:
+        """The most jobs a Celery message may carry for any live worker (1: no worker,
+        or one that takes a job per message only)."""
+        return self._read()[2]
+
+    def _read(self) -> tuple[int, int, int]:
         now = self._clock()
         if self._cached is not None and now - self._cached[0] < self.cache_s:
             return self._cached[1]
@@ -61,5 +70,6 @@ class FleetCapacity:
         if self.ceiling_tokens is not None:
             tokens = min(tokens, self.ceiling_tokens)
         slots = 0 if any(b.slots <= 0 for b in beats) else sum(b.slots for b in beats)
-        self._cached = (now, (tokens, slots))
-        return tokens, slots
+        per_message = max(1, min((b.jobs_per_message for b in beats), default=1))
+        self._cached = (now, (tokens, slots, per_message))
+        return tokens, slots, per_message

@@ -184,7 +184,8 @@ BATCH_LEASE_S = 10.0
 BATCH_TTL_S = 30 * 24 * 3600
 
 # --- Celery ----------------------------------------------------------------------
-CELERY_TASK_NAME = "kvfleet.run_job"
+CELERY_TASK_NAME = "kvfleet.run_job"  # one job per message: args = [job]
+CELERY_JOBS_TASK_NAME = "kvfleet.run_jobs"  # several: args = [[job, job, ...]]
 
 
 def celery_queue(key_prefix: str, priority: Priority | str) -> str:

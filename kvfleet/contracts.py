@@ -277,6 +277,9 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     capacity_tokens: int  # KV tokens the worker's block pool holds
     #: Jobs it runs at once (its Celery task threads); 0 from older workers: unknown.
     slots: int = 0
+    #: The most jobs one Celery message to it may carry (workers/tasks.py); 1 from older
+    #: workers, which know only the one-job task, so a scheduler never packs for them.
+    jobs_per_message: int = 1
     #: The served model's name (what clients put in `model`) and its weights'
     #: fingerprint: `GET /v1/models` lists these. Empty from older workers.
     model: str = ""

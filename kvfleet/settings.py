@@ -265,6 +265,10 @@ class SchedulerSettings:
     #: it, seconds. It must cover the wait in the Celery queue: an expired lease is
     #: reclaimed and the job sent again (harmless, but its tokens are counted late).
     admit_lease_s: float = knob(60.0, "ADMIT_LEASE_S", float, gt=0)
+    #: The most jobs one Celery message carries (scheduler/dispatch.py packs a large
+    #: round, never a small one); 1 = one message per job. Each message costs a worker's
+    #: Celery consumer a read, an unacked record and an ack whatever it carries.
+    jobs_per_message: int = knob(16, "SCHEDULER_JOBS_PER_MESSAGE", int, lo=1)
     #: A member still without its assignment this long after a rebalance started is
     #: stuck (a healthy rebalance takes about a session timeout, 10 s): it rejoins the
     #: group, and exits for its supervisor to restart it if that fails too.

@@ -8,10 +8,21 @@ not committed, the message comes back, the job is found `admitted` and sent agai
 without reserving twice; if it never comes back (another replica committed past it),
 the reservation's lease runs out and `reclaim` sends it. A duplicate task is harmless:
 the worker's run lease and the one-way states turn it into a no-op.
+
+Messages: the jobs of one round go to their class's queue in messages of several jobs
+(`pack`), because a worker's Celery consumer pays per message (a read, an unacked
+record, an ack) whatever it carries. A worker's task thread takes one message and runs
+its jobs side by side (workers/tasks.py), so a message is also the unit of load
+balance: a round is cut into at least as many messages as one may carry jobs, and only
+a round larger than that packs. A message of one job is the one-job task, the only one
+older workers know; `FleetCapacity.jobs_per_message` keeps the packing to what every
+live worker takes.
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -38,6 +49,22 @@ class Dispatched:
     skipped: list[tuple[Ticket, JobState | None]] = field(default_factory=list)  # cancelled, running, finished
 
 
+def pack(jobs: Sequence[JobRequest], most: int) -> list[list[JobRequest]]:
+    """The messages that carry `jobs`: grouped by class (each class has its queue), in
+    order, each message of at most `most` jobs and each class's jobs in at least `most`
+    messages (or one per job, if fewer). So a message never holds more than about
+    1/`most` of a class's round until the round passes `most`² jobs: 8 jobs go out one
+    per message, 64 in sixteen of four, 256 and up in messages of `most`."""
+    by_class: dict[str, list[JobRequest]] = defaultdict(list)
+    for job in jobs:
+        by_class[job.priority.value].append(job)
+    messages = []
+    for group in by_class.values():
+        size = max(1, min(most, math.ceil(len(group) / most)))
+        messages += [group[i:i + size] for i in range(0, len(group), size)]
+    return messages
+
+
 class Dispatcher:
     def __init__(self, store: JobStore, celery: Celery, key_prefix: str, *, lease_s: float, replica: str) -> None:
         self.store = store
@@ -46,10 +73,12 @@ class Dispatcher:
         self.lease_s = lease_s
         self.replica = replica
 
-    def dispatch(self, tickets: Sequence[Ticket], *, capacity: int, now: float, slots: int = 0) -> Dispatched:
+    def dispatch(self, tickets: Sequence[Ticket], *, capacity: int, now: float, slots: int = 0,
+                 jobs_per_message: int = 1) -> Dispatched:
         """Reserve, admit and send each ticket, in order, within `capacity` tokens and
-        `slots` jobs (0 = no limit). Raises on a Redis or broker error; every step is
-        idempotent, so the caller simply tries the tickets again."""
+        `slots` jobs (0 = no limit), in messages of up to `jobs_per_message` jobs (`pack`).
+        Raises on a Redis or broker error; every step is idempotent, so the caller
+        simply tries the tickets again."""
         out = Dispatched()
         if not tickets:
             return out
@@ -62,23 +91,31 @@ class Dispatcher:
                 out.full.append(ticket)
             else:
                 out.skipped.append((ticket, a.previous))
-        self.send([t.request for t, _ in out.sent])
+        self.send(pack([t.request for t, _ in out.sent], jobs_per_message))
         return out
 
-    def send(self, jobs: Sequence[JobRequest]) -> None:
-        """All tasks in one Redis round trip (kombu pipelines a batch's LPUSHes).
+    def send(self, messages: Sequence[Sequence[JobRequest]]) -> None:
+        """Each list of jobs as one Celery message, all in one Redis round trip (kombu
+        pipelines a batch's LPUSHes); the jobs of one message share a class.
 
-        `argsrepr` keeps the prompt out of the message headers (Celery would repr the
+        `argsrepr` keeps the prompts out of the message headers (Celery would repr the
         whole request there, doubling the message and logging the prompt), and
         `retry=False` because a failed batch is retried by the caller, not task by task.
         """
-        if not jobs:
+        if not messages:
             return
         with self.celery.producer_or_acquire() as producer, producer.batch():
-            for job in jobs:
+            for jobs in messages:
+                first = jobs[0]
+                if len(jobs) == 1:
+                    name, args = constants.CELERY_TASK_NAME, [to_builtins(first)]
+                else:
+                    name, args = constants.CELERY_JOBS_TASK_NAME, [[to_builtins(job) for job in jobs]]
                 self.celery.send_task(
-                    constants.CELERY_TASK_NAME, args=[to_builtins(job)], producer=producer,
-                    queue=constants.celery_queue(self.key_prefix, job.priority),
-                    task_id=job.job_id,  # Celery's own logs then carry the job id too
-                    argsrepr=f"({job.job_id!r},)", kwargsrepr="{}", retry=False,
+                    name, args=args, producer=producer,
+                    queue=constants.celery_queue(self.key_prefix, first.priority),
+                    # Celery's own logs then carry a job id too (a task id need not be unique
+                    # here: results are ignored, and the broker acks by delivery tag).
+                    task_id=first.job_id,
+                    argsrepr=f"({', '.join(repr(j.job_id) for j in jobs)},)", kwargsrepr="{}", retry=False,
                 )

@@ -400,7 +400,9 @@ class SchedulerService:
         if not tickets:
             return
         try:
-            out = self.dispatcher.dispatch(tickets, capacity=self.capacity.read(), slots=self.capacity.slots(), now=now)
+            out = self.dispatcher.dispatch(
+                tickets, capacity=self.capacity.read(), slots=self.capacity.slots(), now=now,
+                jobs_per_message=min(self.settings.scheduler.jobs_per_message, self.capacity.jobs_per_message()))
         except _FAILURES:
             for w in chosen:  # all idempotent: they simply wait and go again
                 self.policy.requeue(w.job)

@@ -50,3 +50,15 @@ def test_reads_are_cached_for_cache_s(redis_client, prefix):
     assert capacity.read() == 0  # within cache_s: the earlier sum
     now[0] = 1.0
     assert capacity.read() == 32_768
+
+
+def test_jobs_per_message_is_what_every_live_worker_takes(redis_client, prefix):
+    keys = Keys(prefix)
+    capacity = FleetCapacity(redis_client, keys, cache_s=0.0)
+    assert capacity.jobs_per_message() == 1  # no worker: nothing to pack for
+    for worker_id, most in (("w1", 64), ("w2", 16)):
+        registry.publish(redis_client, keys, WorkerHeartbeat(worker_id=worker_id, capacity_tokens=1024,
+                                                             jobs_per_message=most), ttl_ms=10_000)
+    assert capacity.jobs_per_message() == 16
+    publish_heartbeat(redis_client, keys, "old", 1024)  # a worker from before: one job per message
+    assert capacity.jobs_per_message() == 1

@@ -2,7 +2,8 @@
 
 Bootstrap, top to bottom: settings → model (loaded once) → engine (its step loop in a
 background thread) with the Redis cold tier as its block hooks → stream publisher → job runner → heartbeat → metrics endpoint → Celery worker loop
-(thread pool, high/normal/low queues in priority order). On SIGTERM the worker drains
+(thread pool, high/normal/low queues in priority order; a message of several jobs runs
+them side by side, workers/tasks.py). On SIGTERM the worker drains
 (workers/drain.py): it takes no new task, withdraws its capacity at once, lets running
 jobs finish for KVFLEET_WORKER_DRAIN_GRACE_S and hands the rest back to their queues.
 A worker whose engine faults in every step does the same by itself and exits with
@@ -107,7 +108,9 @@ def main() -> None:
                        results=results, result_cache_allowed=tenancy.result_cache)
 
     def snapshot() -> WorkerHeartbeat:
+        # A message of more jobs than the engine's batch would only queue inside it.
         return WorkerHeartbeat(worker_id=worker_id, capacity_tokens=engine.stats().capacity_tokens, slots=concurrency,
+                               jobs_per_message=settings.engine.max_num_seqs,
                                model=model.name, fingerprint=model.fingerprint, started_at=started_at)
 
     heartbeat = Heartbeat(client, settings.redis.keys, worker_id, snapshot)
@@ -127,7 +130,7 @@ def main() -> None:
         start_http_server(settings.worker.metrics_port)
 
     app = make_celery(settings)
-    register(app, runner)
+    register(app, runner, threads=settings.engine.max_num_seqs)
     queues = ",".join(constants.all_celery_queues(settings.redis.key_prefix))
     log.info("worker starting", extra={"worker_id": worker_id, "queues": queues,
                                        "concurrency": concurrency})

@@ -1,10 +1,24 @@
-"""The one Celery task: run a job through this process's engine.
+"""The Celery tasks: run the jobs of one message through this process's engine.
 
-The task body is a thin shell around `JobRunner.run`; the runner (built once per
-process by `workers.service`) owns the engine, the job store and the lease logic.
+Two task names, one per message shape (scheduler/dispatch.py `pack`): `run_job` carries
+one job, as every scheduler has sent it; `run_jobs` carries several, which run side by
+side — the task thread runs the first, a per-process pool the others — so that the
+engine batches them as it would batch jobs of separate messages. The task bodies are
+thin shells around `JobRunner.run`; the runner (built once per process by
+`workers.service`) owns the engine, the job store and the lease logic, and makes every
+job of a message exactly-once on its own.
+
+A message is acknowledged once every job in it has ended (acks_late). If any of them is
+handed back (the worker drains, or an engine fault ended its run), the whole message is
+rejected with requeue once the others have ended: on its redelivery the jobs that
+finished here are terminal, and `JobStore.begin` turns them into no-ops, so only the
+handed-back ones run again. A crash mid-message leaves the message unacknowledged; its
+redelivery finds each job finished (a no-op), running elsewhere, or free to take over.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from celery import Celery
 from celery.exceptions import Reject
@@ -14,19 +28,57 @@ from kvfleet import constants
 from workers.drain import HandBack
 from workers.runner import FaultedRun, JobRunner
 
-TASKS = Counter("kvfleet_worker_tasks", "Celery task deliveries by outcome", ["outcome"])
+TASKS = Counter("kvfleet_worker_tasks", "Jobs delivered in Celery tasks, by outcome", ["outcome"])
 
 
-def register(app: Celery, runner: JobRunner) -> None:
+def register(app: Celery, runner: JobRunner, *, threads: int) -> None:
+    """Both task names on `app`; `threads` bounds the jobs of several-job messages that
+    run at once beyond each message's first (the engine's batch is a good size)."""
+    # Threads start as jobs need them, and a thread per job would cost a start each.
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="job")
+
+    def run_one(raw: dict) -> str:
+        try:
+            outcome = runner.run(raw)
+        except HandBack as exc:
+            TASKS.labels("faulted" if isinstance(exc, FaultedRun) else "handed_back").inc()
+            raise
+        TASKS.labels(outcome.label).inc()
+        return outcome.label
+
     @app.task(name=constants.CELERY_TASK_NAME, acks_late=True, ignore_result=True)
     def run_job(raw: dict) -> str:
         try:
-            outcome = runner.run(raw)
+            return run_one(raw)
         except HandBack as exc:
             # The worker drains (workers/drain.py), or an engine fault ended the run: the
             # broker puts the message back on its queue now, for another worker (or
             # another run here), instead of after the visibility timeout.
-            TASKS.labels("faulted" if isinstance(exc, FaultedRun) else "handed_back").inc()
             raise Reject(str(exc), requeue=True) from None
-        TASKS.labels(outcome.label).inc()
-        return outcome.label
+
+    @app.task(name=constants.CELERY_JOBS_TASK_NAME, acks_late=True, ignore_result=True)
+    def run_jobs(raws: list[dict]) -> list[str]:
+        if not raws:
+            return []
+        others: list[Future[str]] = [pool.submit(run_one, raw) for raw in raws[1:]]
+        outcomes: list[str | BaseException] = []
+        try:
+            outcomes.append(run_one(raws[0]))
+        except Exception as exc:  # noqa: BLE001 - decided below, once every job has ended
+            outcomes.append(exc)
+        for future in others:
+            # Every job ends before the message is acked or rejected: a message requeued
+            # while one of its jobs still ran here would only meet that job's run lease.
+            exc = future.exception()
+            outcomes.append(exc if exc is not None else future.result())
+        handed_back = [o for o in outcomes if isinstance(o, HandBack)]
+        if handed_back:
+            # Requeued whole; its finished jobs are no-ops when it comes back (above).
+            raise Reject(f"{len(handed_back)} of {len(raws)} jobs handed back: {handed_back[0]}",
+                         requeue=True) from None
+        for o in outcomes:
+            if isinstance(o, BaseException):
+                # An error the runner could not record (the state Redis gone mid-run): the
+                # message stays unacknowledged and comes back after the visibility timeout.
+                raise o
+        return [str(o) for o in outcomes]
