@@ -1,15 +1,19 @@
-"""Kernel benchmark: paged attention (Triton vs gather + SDPA vs the torch reference),
-INT8 quantize/dequantize and store_kvcache, each checked against the reference first;
-on CUDA also Triton decode attention and store_kvcache on the mixed pool (bf16 K, INT8 V
-with fp16 row scales, `attention/mixed-decode`, `store_kvcache/mixed`) beside the 16-bit pool.
+"""Kernel benchmark: paged attention (Triton vs gather + SDPA vs the torch reference, and
+the strongest fair baselines of bench/attention_baselines.py: SDPA on contiguous K/V,
+flex_attention over the pool with a block mask), INT8 quantize/dequantize and
+store_kvcache, each checked against the reference first; on CUDA also Triton decode
+attention and store_kvcache on the mixed pool (bf16 K, INT8 V with fp16 row scales,
+`attention/mixed-decode`, `store_kvcache/mixed`) beside the 16-bit pool.
 
     python bench/kernels.py [--quick] [--out bench/results]
 
 On CUDA: bf16, 32 query heads / 8 KV heads, head_dim 128, block 16; decode (q_len 1)
 and prefill over a cached prefix. Without CUDA, Triton cannot run (short of the slow
-interpreter), so it times the reference against gather + SDPA only, in fp32, and says
-so. Prints a table, writes <out>/kernels.json and <out>/kernels.png, and exits 1 if any
-implementation fails or disagrees with the reference (after writing the results).
+interpreter), so it times the reference, gather + SDPA and the baselines only, in fp32,
+and says so. Every row's GB/s is also a fraction of the memory ceiling (bench/bandwidth.py:
+the GPU's HBM spec peak, or on a CPU a copy measured in the same run). Prints a table,
+writes <out>/kernels.json and <out>/kernels.png, and exits 1 if any implementation fails
+or disagrees with the reference (after writing the results).
 """
 
 from __future__ import annotations
@@ -31,11 +35,15 @@ if not __package__:
 
 import torch  # noqa: E402
 
+from bench import attention_baselines as baselines  # noqa: E402
+from bench.bandwidth import Ceiling, ceiling  # noqa: E402
 from kernels import gather_sdpa, reference  # noqa: E402
 from kernels.contract import PagedBatch  # noqa: E402
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # a Llama-3-8B layer
 ATTN_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}  # max abs error vs the reference
+HEADLINE = ("attention/decode", "B=64 q=1 ctx=4096")  # issue 15's figure: Triton at 68% of an H200's peak
+TARGET_FRACTION_OF_PEAK = 0.8
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,8 @@ class Row:
     gbps: float | None = None  # bytes the op must move / time
     max_err: float | None = None
     error: str | None = None
+    fraction_of_peak: float | None = None  # gbps / the run's memory ceiling (bench/bandwidth.py)
+    note: str | None = None  # what a baseline ran, which of its variants won, what it skipped
 
 
 def shapes(cuda: bool, quick: bool) -> list[Shape]:
@@ -119,24 +129,70 @@ def run(row: Row, fn: Callable[[], object], check: Callable[[object], float], to
     return row
 
 
-def bench_attention(cuda: bool, quick: bool, time_ms: Callable) -> list[Row]:
+def run_baseline(row: Row, prepare: Callable[[], baselines.Prepared], check: Callable[[object], float],
+                 tol: float, time_ms: Callable, nbytes: int) -> Row:
+    """A baseline's set-up (outside the timing), then the fastest of its variants that agrees
+    with the reference, through `run`; the others' times and skips go in the row's note."""
+    try:
+        prep = prepare()
+        timed, notes = {}, []
+        for name, c in prep.candidates.items():
+            with c.scope():
+                err = check(c.call())  # the first call also compiles
+                if not err <= tol:
+                    notes.append(f"{name} disagrees ({err:.3g})")
+                else:
+                    timed[name] = time_ms(c.call) if len(prep.candidates) > 1 else 0.0
+        reasons: dict[str, list[str]] = {}  # one line for the backends skipped for one reason
+        for name, why in prep.skipped.items():
+            reasons.setdefault(why, []).append(name)
+        notes += [f"{', '.join(names)} skipped: {why}" for why, names in reasons.items()]
+        if not timed:
+            row.error = "no variant runs and agrees: " + "; ".join(notes)
+    except Exception as e:  # a set-up failure is a result, not a crash
+        row.error = f"{type(e).__name__}: {e}"[:300]
+    if row.error:
+        print_row(row)
+        return row
+    best = min(timed, key=timed.get)
+    others = [f"{n} {ms:.3f} ms" for n, ms in timed.items() if n != best]
+    row.note = "; ".join([prep.note, f"ran: {best}", *others, *notes])
+    with prep.candidates[best].scope():
+        return run(row, prep.candidates[best].call, check, tol, time_ms, nbytes)
+
+
+def bench_attention(cuda: bool, quick: bool, time_ms: Callable, *, shape_list: list[Shape] | None = None,
+                    flex_compiled: bool = True) -> list[Row]:
+    """Every implementation and baseline on `shape_list` (default: `shapes(cuda, quick)`).
+    `flex_compiled=False` runs flex_attention eagerly (tests: no compile wait)."""
     impls = {"reference": reference.paged_attention, "gather+sdpa": gather_sdpa.paged_attention}
     if cuda:
         from kernels import paged_attention as triton_attention
 
         impls["triton"] = triton_attention.paged_attention
+    no_flex = baselines.flex_available()
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = []
-    for s in shapes(cuda, quick):
+    for s in shape_list or shapes(cuda, quick):
         args = make_inputs(s, dtype, "cuda" if cuda else "cpu")
         want = reference.paged_attention(*args).float()
         # The bytes attention cannot avoid: every context K and V once, q in, out.
         nbytes = (2 * s.batch * s.context * HKV + 2 * s.batch * s.q_len * HQ) * HEAD_DIM * dtype.itemsize
         label = f"B={s.batch} q={s.q_len} ctx={s.context}"
+        check = lambda out: (out.float() - want).abs().max().item()  # noqa: E731
         for name, fn in impls.items():
             row = Row(f"attention/{s.kind}", label, name)
-            check = lambda out: (out.float() - want).abs().max().item()  # noqa: E731
             rows.append(run(row, lambda fn=fn: fn(*args), check, ATTN_TOL[dtype], time_ms, nbytes))
+        rows.append(run_baseline(Row(f"attention/{s.kind}", label, "sdpa-contig"),
+                                 lambda: baselines.sdpa_contiguous(*args), check, ATTN_TOL[dtype], time_ms, nbytes))
+        flex_row = Row(f"attention/{s.kind}", label, "flex-paged")
+        if no_flex:
+            flex_row.error = no_flex
+            print_row(flex_row)
+            rows.append(flex_row)
+        else:
+            rows.append(run_baseline(flex_row, lambda: baselines.flex_paged(*args, compiled=flex_compiled),
+                                     check, ATTN_TOL[dtype], time_ms, nbytes))
         del args, want
     return rows
 
@@ -225,6 +281,18 @@ def bench_mixed(quick: bool, time_ms: Callable, device: str = "cuda", contexts: 
     return rows
 
 
+def add_fractions(rows: list[Row], ceil: Ceiling) -> dict:
+    """Fill each row's fraction_of_peak; the summary keys for kernels.json."""
+    for r in rows:
+        if r.gbps is not None:
+            r.fraction_of_peak = r.gbps / ceil.peak_gbps
+    headline = {r.impl: r.fraction_of_peak for r in rows if (r.op, r.shape) == HEADLINE and not r.error}
+    return {"peak_gbps": ceil.peak_gbps, "peak_source": ceil.source, "copy_gbps": ceil.copy_gbps,
+            "target_fraction_of_peak": TARGET_FRACTION_OF_PEAK,
+            "triton_decode_b64_ctx4k_fraction_of_peak": headline.get("triton"),
+            "decode_b64_ctx4k_fraction_of_peak": headline}
+
+
 HEADER = f"{'op':<22} {'shape':<24} {'impl':<12} {'ms':>9} {'GB/s':>8} {'max err':>9}  status"
 
 
@@ -233,6 +301,8 @@ def print_row(r: Row) -> None:
     gbps = f"{r.gbps:8.1f}" if r.gbps is not None else f"{'-':>8}"
     err = f"{r.max_err:9.2g}" if r.max_err is not None else f"{'-':>9}"
     print(f"{r.op:<22} {r.shape:<24} {r.impl:<12} {ms} {gbps} {err}  {r.error or 'ok'}", flush=True)
+    if r.note:
+        print(f"{'':<22} {r.note}", flush=True)
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -271,19 +341,26 @@ def main() -> int:
     device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})"
     print(f"device: {device}; torch {torch.__version__}")
     if not cuda:
-        print("no CUDA: timing the reference against gather+SDPA only (fp32); Triton needs a GPU")
+        print("no CUDA: timing the reference, gather+SDPA and the baselines only (fp32); Triton needs a GPU")
     time_ms = timer(cuda, args.quick)
     t0 = time.perf_counter()
+    ceil = ceiling(device, cuda, time_ms)
+    print(f"memory ceiling: {ceil.peak_gbps:.1f} GB/s, {ceil.source} (a copy: {ceil.copy_gbps:.1f} GB/s)")
     print(HEADER)
     rows = bench_attention(cuda, args.quick, time_ms)
     if cuda:
         rows += bench_quant_and_store(cuda, args.quick, time_ms)
         rows += bench_mixed(args.quick, time_ms)
+    summary = add_fractions(rows, ceil)
+    if summary["decode_b64_ctx4k_fraction_of_peak"]:
+        print(f"{HEADLINE[0]} {HEADLINE[1]}, fraction of {ceil.peak_gbps:.0f} GB/s (target "
+              f"{TARGET_FRACTION_OF_PEAK:.0%} for triton): " + ", ".join(
+                  f"{impl} {f:.0%}" for impl, f in summary["decode_b64_ctx4k_fraction_of_peak"].items()))
 
     args.out.mkdir(parents=True, exist_ok=True)
     failed = [r for r in rows if r.error]
     meta = {"device": device, "torch": torch.__version__, "quick": args.quick,
-            "seconds": round(time.perf_counter() - t0, 1), "failed": len(failed)}
+            "seconds": round(time.perf_counter() - t0, 1), "failed": len(failed), **summary}
     if cuda:
         import triton
 
