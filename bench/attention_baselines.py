@@ -32,6 +32,7 @@ from typing import Callable, ContextManager
 import torch
 import torch.nn.functional as F
 
+from kernels import reference
 from kernels.contract import PagedBatch
 
 @dataclass(frozen=True)
@@ -67,11 +68,9 @@ def _q_len(q: torch.Tensor, batch: PagedBatch) -> int:
 
 def gather_contiguous(cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
     """Each sequence's context out of the pool, `(B, Hkv, L, D)` contiguous (equal contexts)."""
-    nb, bs, hkv, d = cache.shape
     ctx = _equal(batch.context_lens, "context lengths")
-    pages = -(-ctx // bs)
-    blocks = cache[batch.block_tables[:, :pages].long()]  # (B, pages, BS, Hkv, D)
-    return blocks.flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()  # (B, pages*BS, Hkv, D) -> (B, Hkv, L, D)
+    per_seq = [reference.gather_kv(cache, table, ctx) for table in batch.block_tables]  # (L, Hkv, D) each
+    return torch.stack(per_seq).transpose(1, 2).contiguous()  # (B, Hkv, L, D)
 
 
 def _sdpa_backends() -> dict[str, object]:

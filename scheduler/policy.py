@@ -243,11 +243,10 @@ class Policy:
             due = now - job.enqueued_at >= self.config.of(p).reserve_after_s
             if job.tenant in held_tenants:
                 continue
-            hard = self._hard_cap(job)
-            if self._tenant_in_use(job, room) + job.cost > hard * room.capacity:
+            if not self._within_hard_cap(job, room):
                 # Over its hard limit: it waits without blocking other tenants, and once
                 # due, the tenant's own smaller jobs stop taking the room it needs.
-                if due and job.cost <= hard * room.capacity:
+                if due and job.cost <= self._hard_cap(job) * room.capacity:
                     held_tenants.add(job.tenant)
                 continue
             if room.tenant_ahead(job) + job.cost > self._tenant_cap(job) * room.capacity:
@@ -262,8 +261,7 @@ class Policy:
             for job in borrowers:
                 if not room.slots_left:
                     break
-                if (job.cost <= room.free_for(job.tenant)
-                        and self._tenant_in_use(job, room) + job.cost <= self._hard_cap(job) * room.capacity):
+                if job.cost <= room.free_for(job.tenant) and self._within_hard_cap(job, room):
                     room.take(job)
                     admitted.append(job)
         return admitted, holding
@@ -278,9 +276,8 @@ class Policy:
             return (1, job.priority.rank, job.enqueued_at, job.job_id)
         return (2, job.priority.rank - wait / self.config.aging_s, job.enqueued_at, job.job_id)
 
-    @staticmethod
-    def _tenant_in_use(job: PendingJob, room: Room) -> int:
-        return room.tenant_in_use.get(job.tenant, 0)
+    def _within_hard_cap(self, job: PendingJob, room: Room) -> bool:
+        return room.tenant_in_use.get(job.tenant, 0) + job.cost <= self._hard_cap(job) * room.capacity
 
     def _tenant_cap(self, job: PendingJob) -> float:
         """Most of the budget the job's tenant may hold while others wait, as a fraction:
