@@ -27,19 +27,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
            scale: float, *, v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """contract.PagedAttention for a batch of one query row per sequence (B = T), at its last position."""
+    """contract.PagedAttention for a batch of one query row per sequence (B = T), at its last position.
+
+    What a sequence costs here is mostly per-op overhead and the copy of its context out
+    of the pool, so the loop body is kept to the few ops that need its own sizes: the
+    conversions, the scale and the table slicing are done once for the batch, and
+    `index_select` gathers the blocks (a plain copy of whole blocks; advanced indexing,
+    `k_cache[blocks]`, is about three times slower on the CPU).
+    """
     hq, d = q.shape[1:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    out = torch.empty_like(q)  # (B, Hq, D)
-    for b, ctx in enumerate(batch.context_lens.tolist()):
-        blocks = batch.block_tables[b, :(ctx + bs - 1) // bs].long()  # (n_blocks,)
-        k = k_cache[blocks].view(-1, hkv, d)[:ctx].float()  # (n_blocks, BS, Hkv, D) -> (ctx, Hkv, D)
-        v = v_cache[blocks].view(-1, hkv, d)[:ctx].float()  # (n_blocks, BS, Hkv, D) -> (ctx, Hkv, D)
+    ctxs = batch.context_lens.tolist()
+    n_blocks = [(ctx + bs - 1) // bs for ctx in ctxs]
+    # Every sequence's block ids as one flat tensor, then one view per sequence.
+    tables = batch.block_tables.long()  # (B, max_blocks)
+    used = torch.arange(tables.shape[1], device=q.device) < torch.tensor(n_blocks, device=q.device)[:, None]
+    blocks = tables[used].split(n_blocks)  # (sum n_blocks,) -> [(n_blocks,)]
+    # The scale folded into q once: (B, Hq, D) -> (B, Hkv, G, D), the heads that share a KV head together.
+    qg = (q.float() * scale).view(-1, hkv, group, d)
+    out = torch.empty(qg.shape, dtype=torch.float32, device=q.device)  # (B, Hkv, G, D)
+    cast = k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
+    for ctx, ids, q_b, out_b in zip(ctxs, blocks, qg.unbind(0), out.unbind(0)):
+        k = k_cache.index_select(0, ids).view(-1, hkv, d)[:ctx]  # (n_blocks, BS, Hkv, D) -> (ctx, Hkv, D)
+        v = v_cache.index_select(0, ids).view(-1, hkv, d)[:ctx]  # (ctx, Hkv, D)
+        if cast:
+            k, v = k.float(), v.float()
         if v_scales is not None:  # the mixed pool: int8 rows times their scales
-            v = v * v_scales[blocks].view(-1, hkv, 1)[:ctx].float()  # (ctx, Hkv, D) * (ctx, Hkv, 1)
-        qg = q[b].view(hkv, group, d).float()  # (Hq, D) -> (Hkv, G, D): heads that share a KV head
+            v = v * v_scales.index_select(0, ids).view(-1, hkv, 1)[:ctx].float()  # (ctx, Hkv, D) * (ctx, Hkv, 1)
         # The only query is the last position, so every cached token is visible: no mask.
-        probs = torch.softmax(torch.bmm(qg, k.permute(1, 2, 0)) * scale, dim=-1)  # (Hkv, G, ctx)
-        out[b] = torch.bmm(probs, v.transpose(0, 1)).view(hq, d).to(q.dtype)  # (Hkv, G, D) -> (Hq, D)
-    return out
+        probs = torch.softmax(torch.bmm(q_b, k.permute(1, 2, 0)), dim=-1)  # (Hkv, G, D) @ (Hkv, D, ctx)
+        torch.bmm(probs, v.transpose(0, 1), out=out_b)  # (Hkv, G, ctx) @ (Hkv, ctx, D) -> (Hkv, G, D)
+    return out.view(-1, hq, d).to(q.dtype)  # (B, Hq, D)
