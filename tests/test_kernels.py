@@ -91,6 +91,30 @@ def test_torch_attention_paths_match_reference(impl, batch, hq, hkv, dtype, tol)
     assert max_err(got, want) <= tol
 
 
+@pytest.mark.parametrize("case", [
+    ([20], [20]),  # a whole prompt: is_causal
+    ([6], [40]),  # a chunk over a cached prefix: the bottom-right mask
+    ([1], [33]),  # one row over a cached prefix: no mask
+    ([1, 1], [3, 17]),  # single rows only (paged_attention would take them to decode)
+])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_torch_prefill_matches_reference_in_each_mask_case(case, dtype, tol) -> None:
+    # Beside each case, a sequence with no query rows this step (skipped); block size
+    # 16, as the engine's, and contexts past one block, NaN in every unused slot.
+    q_lens, ctxs = [0, *case[0]], [2, *case[1]]
+    q, kc, vc, paged = make_batch(q_lens, ctxs, 8, 2, 32, dtype, block_size=16)
+    want = reference.paged_attention(q, kc, vc, paged, 32**-0.5)
+    assert max_err(torch_attention.prefill(q, kc, vc, paged, 32**-0.5), want) <= tol
+
+
+def test_torch_decode_matches_reference_past_a_block() -> None:
+    # Contexts of many 16-token blocks, shuffled in the pool, NaN in every unused slot.
+    ctxs = [1, 15, 16, 17, 100, 255, 256, 257]
+    q, kc, vc, paged = make_batch([1] * len(ctxs), ctxs, 8, 2, 64, torch.float32, block_size=16)
+    want = reference.paged_attention(q, kc, vc, paged, 64**-0.5)
+    assert max_err(torch_attention.decode(q, kc, vc, paged, 64**-0.5), want) <= 1e-5
+
+
 def test_select_torch_and_sdpa() -> None:
     kernels = ops.select("torch", "sdpa")
     assert (kernels.backend, kernels.attention) == ("torch", "sdpa")
