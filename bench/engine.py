@@ -102,6 +102,13 @@ class PeakRss:
         self.mib = self.peak / 2**20
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far: what a run cost, whatever else the
+    machine ran meanwhile (the sessions sharing it make wall time noisy)."""
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
 def workload(n: int, seed: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int]) -> list[Request]:
     rng = random.Random(seed)
     return [([rng.randrange(256) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
@@ -113,16 +120,16 @@ def run_engine(loaded: LoadedModel, requests: list[Request], concurrency: int, b
     with Engine(loaded, config) as engine:
         engine.generate("warm-up", requests[0][0][:8], 2)
         with PeakRss() as rss:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), cpu_seconds()
             handles = [engine.submit(f"r{i}", p, n, ignore_eos=True) for i, (p, n) in enumerate(requests)]
             done = [h.result() for h in handles]
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
         stats = engine.stats()
     tokens = sum(len(c.tokens) for c in done)
     # Time per output token after the first, each request's own: what its reader waits between tokens.
     tpot = [(c.finished_at - c.first_token_at) / (len(c.tokens) - 1) for c in done if len(c.tokens) > 1]
     return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "peak_rss_mib": rss.mib, "max_batch_size": stats.max_batch_size,
+            "tokens_per_s": tokens / wall, "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu, "peak_rss_mib": rss.mib, "max_batch_size": stats.max_batch_size,
             "preemptions": stats.preemptions, **_tpot_ms(tpot)}
 
 
@@ -170,7 +177,7 @@ def run_hf_static(model: transformers.LlamaForCausalLM, requests: list[Request],
     pad = model.config.pad_token_id
     with PeakRss() as rss, torch.no_grad():
         model.generate(torch.tensor([requests[0][0][:8]], device=model.device), max_new_tokens=2)  # warm-up
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         useful, tpot = 0, []
         for i in range(0, len(requests), batch):
             chunk = requests[i:i + batch]
@@ -185,9 +192,10 @@ def run_hf_static(model: transformers.LlamaForCausalLM, requests: list[Request],
                            min_new_tokens=new, do_sample=False, pad_token_id=pad)
             tpot += [(time.perf_counter() - began) / new] * len(chunk)
             useful += sum(n for _, n in chunk)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     return {"batch": batch, "requests": len(requests), "useful_tokens": useful, "wall_s": wall,
-            "tokens_per_s": useful / wall, "peak_rss_mib": rss.mib, **_tpot_ms(tpot)}
+            "tokens_per_s": useful / wall, "cpu_s": cpu, "tokens_per_cpu_s": useful / cpu, "peak_rss_mib": rss.mib,
+            **_tpot_ms(tpot)}
 
 
 def static_section(loaded: LoadedModel, quick: bool, base: EngineConfig) -> dict:
@@ -203,9 +211,14 @@ def static_section(loaded: LoadedModel, quick: bool, base: EngineConfig) -> dict
         engine_runs.append(run_engine(loaded, requests, 32, base))
         hf_runs.append(run_hf_static(hf_model, requests, 32))
         print(f"[bench] static batching, round {rep + 1}/{reps}: engine {engine_runs[-1]['tokens_per_s']:.0f}, "
-              f"generate() x32 {hf_runs[-1]['tokens_per_s']:.0f} useful tokens/s", flush=True)
+              f"generate() x32 {hf_runs[-1]['tokens_per_s']:.0f} useful tokens/s (per CPU second: "
+              f"{engine_runs[-1]['tokens_per_cpu_s']:.0f}, {hf_runs[-1]['tokens_per_cpu_s']:.0f}); "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
     engine_tps = statistics.median(r["tokens_per_s"] for r in engine_runs)
     hf_tps = statistics.median(r["tokens_per_s"] for r in hf_runs)
+    # The same ratio in CPU time: a cross-check when other processes share the cores.
+    cpu_ratio = (statistics.median(r["tokens_per_cpu_s"] for r in engine_runs)
+                 / statistics.median(r["tokens_per_cpu_s"] for r in hf_runs))
     curve_requests = workload(32 if quick else 64, 65, (16, 256), outputs)
     curve = {"engine": [run_engine(loaded, curve_requests, c, base) for c in (1, 8, 32)],
              "hf_static": [run_hf_static(hf_model, curve_requests[:8] if b == 1 else curve_requests, b)
@@ -213,6 +226,7 @@ def static_section(loaded: LoadedModel, quick: bool, base: EngineConfig) -> dict
     return {"speedup_vs_hf_static_batch_at_32": engine_tps / hf_tps,
             "static": {"requests": n, "prompt_lens": (16, 256), "output_lens": outputs, "repetitions": reps,
                        "engine_tokens_per_s_median": engine_tps, "hf_static_tokens_per_s_median": hf_tps,
+                       "speedup_cpu_time": cpu_ratio,
                        "per_round_speedups": [e["tokens_per_s"] / h["tokens_per_s"]
                                               for e, h in zip(engine_runs, hf_runs)],
                        "engine": engine_runs, "hf_static": hf_runs, "curve": curve}}
@@ -223,7 +237,7 @@ def print_static(static: dict) -> None:
     print(f"\nengine at 32 vs generate() on static batches of 32 ({st['requests']} requests, outputs "
           f"{st['output_lens'][0]}-{st['output_lens'][1]}, median of {st['repetitions']}): "
           f"{st['engine_tokens_per_s_median']:.0f} vs {st['hf_static_tokens_per_s_median']:.0f} useful tokens/s = "
-          f"{static['speedup_vs_hf_static_batch_at_32']:.2f}x (target >= 2.0)")
+          f"{static['speedup_vs_hf_static_batch_at_32']:.2f}x (target >= 2.0); in CPU time {st['speedup_cpu_time']:.2f}x")
     print(f"{'side':<22}{'in flight':>10}{'tokens/s':>10}{'TPOT p50 ms':>13}{'TPOT p99 ms':>13}")
     for side, key in (("engine", "concurrency"), ("hf_static", "batch")):
         for r in st["curve"][side]:
@@ -427,8 +441,11 @@ def main() -> None:
         static = static_section(loaded, args.quick, base)
         print_static(static)
         results = merge(static, "static_setup")
-        plot(results["engine"], results["hf_generate"], results["prefix"], args.results / "engine.png",
-             static=results)
+        if all(k in results for k in ("engine", "hf_generate", "prefix")):  # the other panels come from a full run
+            plot(results["engine"], results["hf_generate"], results["prefix"], args.results / "engine.png",
+                 static=results)
+        else:
+            print(f"[bench] no full run in {args.results / 'engine.json'}: plot skipped")
         return
     prompt_lens, output_lens = (16, 256), ((32, 128) if args.quick else (64, 256))
     # Twice as many requests as slots (one at concurrency 1 aside): finished requests are
