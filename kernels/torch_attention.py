@@ -95,13 +95,17 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     out = torch.empty(qg.shape, dtype=torch.float32, device=q.device)  # (B, Hkv, G, D)
     cast = k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
     for ctx, ids, q_b, out_b in zip(ctxs, blocks, qg.unbind(0), out.unbind(0)):
-        k = k_cache.index_select(0, ids).view(-1, hkv, d)[:ctx]  # (n_blocks, BS, Hkv, D) -> (ctx, Hkv, D)
-        v = v_cache.index_select(0, ids).view(-1, hkv, d)[:ctx]  # (ctx, Hkv, D)
+        k = k_cache.index_select(0, ids)  # (n_blocks, BS, Hkv, D), contiguous: token t, head h at t*Hkv*D + h*D
+        v = v_cache.index_select(0, ids)
+        # The first ctx tokens, heads first, as views (one op each, where view, slice and
+        # permute were three): K^T (Hkv, D, ctx) and V (Hkv, ctx, D).
+        k = k.as_strided((hkv, d, ctx), (d, 1, hkv * d))
+        v = v.as_strided((hkv, ctx, d), (d, hkv * d, 1))
         if cast:
             k, v = k.float(), v.float()
-        if v_scales is not None:  # the mixed pool: int8 rows times their scales
-            v = v * v_scales.index_select(0, ids).view(-1, hkv, 1)[:ctx].float()  # (ctx, Hkv, D) * (ctx, Hkv, 1)
+        if v_scales is not None:  # the mixed pool: int8 rows times their scales, (NB, BS, Hkv) -> (Hkv, ctx, 1)
+            v = v * v_scales.index_select(0, ids).as_strided((hkv, ctx, 1), (1, hkv, 0)).float()
         # The only query is the last position, so every cached token is visible: no mask.
-        probs = torch.softmax(torch.bmm(q_b, k.permute(1, 2, 0)), dim=-1)  # (Hkv, G, D) @ (Hkv, D, ctx)
-        torch.bmm(probs, v.transpose(0, 1), out=out_b)  # (Hkv, G, ctx) @ (Hkv, ctx, D) -> (Hkv, G, D)
+        probs = torch.softmax(torch.bmm(q_b, k), dim=-1)  # (Hkv, G, D) @ (Hkv, D, ctx) -> (Hkv, G, ctx)
+        torch.bmm(probs, v, out=out_b)  # (Hkv, G, ctx) @ (Hkv, ctx, D) -> (Hkv, G, D)
     return out.view(-1, hq, d).to(q.dtype)  # (B, Hq, D)
