@@ -259,6 +259,12 @@ class SchedulerSettings:
     #: releases wake it at once (scheduler/wake.py); a new worker's capacity, a Redis
     #: without pub/sub or new Kafka records are noticed within this.
     busy_poll_ms: int = knob(20, "BUSY_POLL_MS", int, lo=1)
+    #: Once freed tokens woke the loop, how long it gathers further releases before it
+    #: admits, ms (scheduler/wake.py). The jobs of one engine step end within a few ms
+    #: of each other: 10 ms turns their freed slots into one round and a few messages
+    #: instead of a round and a message each (docs/benchmarks.md, "Job path"), at a cost
+    #: of at most that to a job that waits for budget anyway. 0: admit at the first.
+    round_gather_ms: int = knob(10, "SCHEDULER_ROUND_GATHER_MS", int, lo=0)
     #: An operator's cap on the fleet's token budget; 0 = the live workers' KV capacity.
     capacity_ceiling_tokens: int = knob(0, "CAPACITY_CEILING_TOKENS", int, lo=0)
     #: A reservation's lease from admission until a worker starts the job and renews
@@ -461,6 +467,12 @@ class WorkerSettings:
     #: Logical lifetime of an entry of the exact-match result cache, seconds (stale
     #: entries are served as long again while one request refreshes them); 0 = no cache.
     result_cache_ttl_s: float = knob(300.0, "RESULT_CACHE_TTL_S", float, lo=0)
+    #: The interpreter's switch interval in a worker process, ms (`sys.setswitchinterval`):
+    #: how long a thread that wants the GIL waits for one that holds it without blocking.
+    #: The engine's step thread gives the GIL up at every torch op and wants it back at
+    #: once; the Celery and task threads around it take it meanwhile. Python's 5 ms made
+    #: each such wait up to 5 ms (docs/benchmarks.md, "Job path").
+    switch_interval_ms: float = knob(5.0, "WORKER_SWITCH_INTERVAL_MS", float, gt=0)
 
 
 @dataclass(frozen=True)

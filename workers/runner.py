@@ -52,7 +52,7 @@ from kvfleet.contracts import (
     Usage,
     request_from_builtins,
 )
-from kvfleet.jobstore import Begun, JobStore
+from kvfleet.jobstore import BeginArgs, Begun, JobStore
 from kvfleet.ledger import Ledger
 from kvstore.lock import Lease
 from workers.drain import HandBack
@@ -81,6 +81,15 @@ class Generator(Protocol):
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A run begun before its job reached its thread (`JobRunner.begin_all`): the run
+    lease it took (if it took one) and what `JobStore.begin` did."""
+
+    lease: Lease
+    begun: Begun
 
 
 @dataclass(frozen=True)
@@ -204,7 +213,46 @@ class JobRunner:
         self.result_cache_allowed = result_cache_allowed
         self.watch = RunWatch(store, Ledger(client, store.keys), engine.cancel, lease_s=lease_s)
 
-    def run(self, raw: dict) -> Outcome:
+    def begin_all(self, raws: list[dict]) -> list[Optional[Claim]]:
+        """Begin the runs of a several-job message's jobs in one round trip
+        (`JobStore.begin_many`), before they go to their threads, instead of one round
+        trip each; `run(raw, claim=...)` goes on from there. A job that started is
+        watched from now on, so its leases are renewed while it waits for a thread.
+
+        None for a job whose own `run` claims it as a one-job message's would: one that
+        does not decode, one whose run lease another copy holds (that wait is
+        `_claim`'s), one without a record; all of them while the worker drains, or when
+        Redis fails here (each job then tries on its own)."""
+        claims: list[Optional[Claim]] = [None] * len(raws)
+        if self.draining.is_set():
+            return claims
+        todo: list[tuple[int, JobRequest, Lease]] = []
+        for i, raw in enumerate(raws):
+            try:
+                job = request_from_builtins(raw)
+            except msgspec.ValidationError:
+                continue  # `run` records it as invalid
+            todo.append((i, job, Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)))
+        try:
+            begun = self.store.begin_many([BeginArgs(job.job_id, lease.token, job.deadline) for _, job, lease in todo],
+                                          lease_ms=self.lease_ms, now=self.clock(), worker=self.worker_id,
+                                          reservation_lease_s=self.lease_ms / 1000)
+        except redis.RedisError as exc:
+            log.warning("could not begin a message's jobs together; each begins on its own",
+                        extra={"error": str(exc)})
+            return claims
+        for (i, job, lease), b in zip(todo, begun):
+            if b.outcome == "started":
+                self.watch.add(job.job_id, lease)
+            if b.outcome in ("started", "expired", "terminal"):  # decided: the others wait or retry in `_claim`
+                claims[i] = Claim(lease, b)
+        return claims
+
+    def run(self, raw: dict, *, delivered_at: Optional[float] = None, claim: Optional[Claim] = None) -> Outcome:
+        """Run one delivered job; `delivered_at`: when its Celery message reached a task
+        thread (the "done" log line gives each hop of the job's time from there);
+        `claim`: its run, begun already by `begin_all`."""
+        picked_at = self.clock()
         try:
             job = request_from_builtins(raw)
         except msgspec.ValidationError as exc:
@@ -216,15 +264,22 @@ class JobRunner:
                                 now=self.clock())
             return Outcome("invalid", job_id if isinstance(job_id, str) else None)
         if self.draining.is_set():
+            if claim is not None:  # begun a moment ago: give the run up, as a drain does
+                self.watch.discard(job.job_id)
+                claim.lease.release()
             raise HandBack(f"worker {self.worker_id} is draining; job {job.job_id} goes back to its queue")
-        lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)
-        begun = self._claim(job, lease)
+        if claim is None:
+            lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)
+            begun = self._claim(job, lease)
+        else:
+            lease, begun = claim.lease, (None if claim.begun.outcome == "terminal" else claim.begun)
         if begun is None:
             log.info("duplicate delivery; another copy finished or runs the job", extra={"job_id": job.job_id})
             return Outcome("duplicate", job.job_id)
         finished = False
+        at = {"delivered": delivered_at or picked_at, "picked": picked_at, "begun": self.clock()}
         try:
-            outcome = self._execute(job, lease, begun)
+            outcome = self._execute(job, lease, begun, at)
             finished = outcome.label == "done"  # its `finish` released the lease with the result
             return outcome
         finally:
@@ -266,7 +321,7 @@ class JobRunner:
             # its lease expires (within one lease), after which we take over.
             time.sleep(self.poll_s)
 
-    def _execute(self, job: JobRequest, lease: Lease, begun: Begun) -> Outcome:
+    def _execute(self, job: JobRequest, lease: Lease, begun: Begun, at: dict[str, Optional[float]]) -> Outcome:
         if begun.outcome == "expired":
             now = self.clock()
             self.store.fail(job.job_id, JobState.EXPIRED, "deadline_passed",
@@ -325,9 +380,13 @@ class JobRunner:
             # terminal: the other copy's result stands; ours is dropped, not doubled.
             log.warning("result not written", extra={"job_id": job.job_id, "state": written.previous})
             return Outcome("duplicate", job.job_id)
+        at.update(engine_in=completion.submitted_at, engine_started=completion.started_at,
+                  first_token=completion.first_token_at, engine_finished=completion.finished_at, stored=self.clock())
         log.info("done", extra={"job_id": job.job_id, "completion_tokens": len(completion.tokens),
                                 "cached_tokens": completion.cached_tokens,
-                                "seconds": round(completion.finished_at - completion.started_at, 3)})
+                                "seconds": round(completion.finished_at - completion.started_at, 3),
+                                # Unix seconds of each hop here (bench/fleet_jobs.py `hops`).
+                                "at": at})
         return Outcome("done", job.job_id)
 
     def _begin_stream(self, job: JobRequest, attempt: int) -> Optional[Callable[[int], None]]:
