@@ -467,12 +467,6 @@ class WorkerSettings:
     #: Logical lifetime of an entry of the exact-match result cache, seconds (stale
     #: entries are served as long again while one request refreshes them); 0 = no cache.
     result_cache_ttl_s: float = knob(300.0, "RESULT_CACHE_TTL_S", float, lo=0)
-    #: The interpreter's switch interval in a worker process, ms (`sys.setswitchinterval`):
-    #: how long a thread that wants the GIL waits for one that holds it without blocking.
-    #: The engine's step thread gives the GIL up at every torch op and wants it back at
-    #: once; the Celery and task threads around it take it meanwhile. Python's 5 ms made
-    #: each such wait up to 5 ms (docs/benchmarks.md, "Job path").
-    switch_interval_ms: float = knob(5.0, "WORKER_SWITCH_INTERVAL_MS", float, gt=0)
 
 
 @dataclass(frozen=True)

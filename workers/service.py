@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -65,7 +64,6 @@ def cold_tier(settings: Settings, engine: Engine) -> ColdTier:
 def main() -> None:
     settings = Settings.from_env()
     logs.setup("worker", settings.log_level)
-    sys.setswitchinterval(settings.worker.switch_interval_ms / 1000)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     started_at = time.time()
 
