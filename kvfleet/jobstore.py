@@ -295,8 +295,11 @@ class JobStore:
             return []
         with self.client.pipeline(transaction=False) as pipe:
             for job in jobs:
-                self._begin(**self._begin_call(job, lease_ms=lease_ms, now=now, worker=worker,
-                                               reservation_lease_s=reservation_lease_s), client=pipe)
+                call = self._begin_call(job, lease_ms=lease_ms, now=now, worker=worker,
+                                        reservation_lease_s=reservation_lease_s)
+                # EVAL with the script's text, not the registered script: a pipeline that
+                # holds one first asks Redis whether it is loaded, a round trip of its own.
+                pipe.eval(_BEGIN, len(call["keys"]), *call["keys"], *call["args"])
             replies = pipe.execute()
         return [self._begun(raw, now) for raw in replies]
 
