@@ -8,7 +8,9 @@ The job path (`--part jobs`) is bench/fleet_jobs.py's docstring: 1-token and 128
 jobs (and 8, 32 in a full run) produced to Kafka, fleet jobs/s over one engine's with
 the same cores (`short_jobs_fleet_over_engine`, target >= 0.5;
 `long_jobs_fleet_over_engine` in tokens/s, target >= 0.9), and `overhead_p50_ms`, one
-1-token job's client round trip on the idle fleet minus the engine's time (target <= 10).
+1-token job's client round trip on the idle fleet minus the engine's time (target <= 10),
+and the median of every hop of a job (queued, admitted, sent, delivered, begun, in the
+engine, finished, stored, on the results topic), under load and idle.
 
 The front door (`--part front`):
 

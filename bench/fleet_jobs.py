@@ -15,6 +15,13 @@ result. Both sides run greedy, so they generate the same tokens.
 Overhead: one 1-token job at a time through the HTTP API on the idle fleet (POST
 /v1/jobs, then GET ?wait= until it ends), its client round trip minus the engine's own
 time for it (the stored `started_at` .. `finished_at`, which the engine reports).
+
+Every hop (`HOPS`), under load and idle: each job's moments from its stored timings
+(queued, admitted), the scheduler's "admitted" log line (sent: the Celery send
+returned), the worker's "done" line (delivered to a task thread, picked by its thread,
+begun, in the engine, first step, finished, stored) and its arrival here (on the
+results topic, or the client's long poll); the median of each span, from the fleet's
+log files.
 """
 
 from __future__ import annotations

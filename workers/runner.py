@@ -88,6 +88,7 @@ class Claim:
     """A run begun before its job reached its thread (`JobRunner.begin_all`): the run
     lease it took (if it took one) and what `JobStore.begin` did."""
 
+    job_id: str
     lease: Lease
     begun: Begun
 
@@ -245,8 +246,15 @@ class JobRunner:
             if b.outcome == "started":
                 self.watch.add(job.job_id, lease)
             if b.outcome in ("started", "expired", "terminal"):  # decided: the others wait or retry in `_claim`
-                claims[i] = Claim(lease, b)
+                claims[i] = Claim(job.job_id, lease, b)
         return claims
+
+    def abandon(self, claim: Claim) -> None:
+        """Give up a run `begin_all` began that will not run here (the worker drains, or
+        its thread could not be had): stop watching it and free its run lease, so the
+        message's redelivery takes the job over at once."""
+        self.watch.discard(claim.job_id)
+        claim.lease.release()
 
     def run(self, raw: dict, *, delivered_at: Optional[float] = None, claim: Optional[Claim] = None) -> Outcome:
         """Run one delivered job; `delivered_at`: when its Celery message reached a task
@@ -265,8 +273,7 @@ class JobRunner:
             return Outcome("invalid", job_id if isinstance(job_id, str) else None)
         if self.draining.is_set():
             if claim is not None:  # begun a moment ago: give the run up, as a drain does
-                self.watch.discard(job.job_id)
-                claim.lease.release()
+                self.abandon(claim)
             raise HandBack(f"worker {self.worker_id} is draining; job {job.job_id} goes back to its queue")
         if claim is None:
             lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)

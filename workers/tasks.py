@@ -65,8 +65,17 @@ def register(app: Celery, runner: JobRunner, *, threads: int) -> None:
             return []
         delivered_at = time.time()
         claims = runner.begin_all(raws)  # one round trip for every job's `begin`
-        others: list[Future[str]] = [pool.submit(run_one, raw, delivered_at, claim)
-                                     for raw, claim in zip(raws[1:], claims[1:])]
+        others: list[Future[str]] = []
+        try:
+            for raw, claim in zip(raws[1:], claims[1:]):
+                others.append(pool.submit(run_one, raw, delivered_at, claim))
+        except RuntimeError:
+            # The pool is shut down (the process exits): the jobs not given to a thread
+            # give their runs up; the message stays unacknowledged and comes back.
+            for claim in [claims[0], *claims[1 + len(others):]]:
+                if claim is not None:
+                    runner.abandon(claim)
+            raise
         outcomes: list[str | BaseException] = []
         try:
             outcomes.append(run_one(raws[0], delivered_at, claims[0]))
