@@ -267,6 +267,12 @@ class SchedulerSettings:
     #: releases wake it at once (scheduler/wake.py); a new worker's capacity, a Redis
     #: without pub/sub or new Kafka records are noticed within this.
     busy_poll_ms: int = knob(20, "BUSY_POLL_MS", int, lo=1)
+    #: Once freed tokens woke the loop, how long it gathers further releases before it
+    #: admits, ms (scheduler/wake.py). The jobs of one engine step end within a few ms
+    #: of each other: 10 ms turns their freed slots into one round and a few messages
+    #: instead of a round and a message each (docs/benchmarks.md, "Job path"), at a cost
+    #: of at most that to a job that waits for budget anyway. 0: admit at the first.
+    round_gather_ms: int = knob(10, "SCHEDULER_ROUND_GATHER_MS", int, lo=0)
     #: An operator's cap on the fleet's token budget; 0 = the live workers' KV capacity.
     capacity_ceiling_tokens: int = knob(0, "CAPACITY_CEILING_TOKENS", int, lo=0)
     #: A reservation's lease from admission until a worker starts the job and renews
