@@ -8,7 +8,9 @@ The job path (`--part jobs`) is bench/fleet_jobs.py's docstring: 1-token and 128
 jobs (and 8, 32 in a full run) produced to Kafka, fleet jobs/s over one engine's with
 the same cores (`short_jobs_fleet_over_engine`, target >= 0.5;
 `long_jobs_fleet_over_engine` in tokens/s, target >= 0.9), and `overhead_p50_ms`, one
-1-token job's client round trip on the idle fleet minus the engine's time (target <= 10).
+1-token job's client round trip on the idle fleet minus the engine's time (target <= 10),
+and the median of every hop of a job (queued, admitted, sent, delivered, begun, in the
+engine, finished, stored, on the results topic), under load and idle.
 
 The front door (`--part front`):
 
@@ -391,7 +393,7 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
             fleet.start("worker")
         fleet.wait_ready(workers=args.workers)
         pids = {**{name: proc.pid for name, proc in fleet.procs.items()}, **fleet_jobs.infra_pids(infra)}
-        over = fleet_jobs.overhead(fleet.url, API_KEY, 15 if args.quick else 40, seed=99)
+        over = fleet_jobs.overhead(fleet.url, API_KEY, 15 if args.quick else 40, seed=99, log_dir=log_dir)
         print(f"[bench] overhead of one 1-token job on the idle fleet: p50 {over['overhead_p50_ms']:.1f} ms",
               flush=True)
         fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",
@@ -399,7 +401,7 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         for n in lengths:
             run = fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",
                                            fleet_jobs.prompts(counts[n], seed=n), n, label=f"{n}-token jobs",
-                                           pids=pids)
+                                           pids=pids, log_dir=log_dir)
             fleet_runs[n] = run
             print(f"[bench] fleet, {counts[n]} jobs of {n} tokens: {run['jobs_per_s']:.0f} jobs/s "
                   f"{run['tokens_per_s']:.0f} tokens/s, {run['done']} done, {run['runs_beyond_one']} reruns "
@@ -445,11 +447,21 @@ def print_job_path(jobs: dict) -> None:
               f"{r['engine']['tokens_per_s']:13.0f} {ratio:13.2f}")
     print(f"short (1-token) fleet/engine {jobs['short_jobs_fleet_over_engine']:.2f} (target >= 0.5); long "
           f"(128-token, tokens/s) {jobs['long_jobs_fleet_over_engine']:.2f} (target >= 0.9)")
+    for r in jobs["by_output_length"]:
+        hops = r["fleet"].get("every_hop_median_ms")
+        if hops:
+            print(f"\n{r['max_new_tokens']}-token jobs under load, every hop (median ms)")
+            for hop, ms in hops.items():
+                print(f"  {hop:66} {ms:9.1f}")
     o = jobs["overhead"]
     print(f"\none 1-token job on the idle fleet (median ms of {o['jobs']}); overhead p50 "
           f"{o['overhead_p50_ms']:.1f} ms (target <= 10), p90 {o['overhead_p90_ms']:.1f} ms")
     for hop, ms in o["hops_median_ms"].items():
         print(f"  {hop:38} {ms:8.2f}")
+    if o.get("every_hop_median_ms"):
+        print("  every hop (the last one: to the client's long poll)")
+        for hop, ms in o["every_hop_median_ms"].items():
+            print(f"  {hop:66} {ms:9.2f}")
 
 
 def print_front_door(report: dict) -> None:

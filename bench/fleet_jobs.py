@@ -15,16 +15,25 @@ result. Both sides run greedy, so they generate the same tokens.
 Overhead: one 1-token job at a time through the HTTP API on the idle fleet (POST
 /v1/jobs, then GET ?wait= until it ends), its client round trip minus the engine's own
 time for it (the stored `started_at` .. `finished_at`, which the engine reports).
+
+Every hop (`HOPS`), under load and idle: each job's moments from its stored timings
+(queued, admitted), the scheduler's "admitted" log line (sent: the Celery send
+returned), the worker's "done" line (delivered to a task thread, picked by its thread,
+begun, in the engine, first step, finished, stored) and its arrival here (on the
+results topic, or the client's long poll); the median of each span, from the fleet's
+log files.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import statistics
 import time
 import uuid
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
 
 import httpx
 import msgspec
@@ -74,6 +83,7 @@ class Results:
     def __init__(self, bootstrap: str, topic: str) -> None:
         from kafka import KafkaConsumer, TopicPartition
 
+        self.arrived: dict[str, float] = {}
         self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
                                       fetch_max_wait_ms=50)
         partitions = self.consumer.partitions_for_topic(topic) or set()
@@ -84,6 +94,7 @@ class Results:
             self.consumer.position(tp)  # resolve the end now, before anything is produced
 
     def collect(self, wanted: set[str], timeout_s: float, progress: Callable[[int], None]) -> dict[str, JobResult]:
+        """Every wanted job's first result; `arrived` holds when each reached this process."""
         got: dict[str, JobResult] = {}
         deadline = time.monotonic() + timeout_s
         while len(got) < len(wanted):
@@ -94,6 +105,7 @@ class Results:
                     result = decode_result(record.value)
                     if result.job_id in wanted and result.job_id not in got:
                         got[result.job_id] = result
+                        self.arrived[result.job_id] = time.time()
                         if len(got) % 500 == 0:
                             progress(len(got))
         return got
@@ -147,12 +159,60 @@ LOAD_HOPS = (("queued -> admitted (Kafka, scheduler, waiting for a slot)", "queu
              ("admitted -> started (Celery, worker)", "admitted_at", "started_at"),
              ("started -> finished (engine)", "started_at", "finished_at"))
 
+#: Every hop of a job, in order: (name, from, to), each moment one of `moments`' keys.
+HOPS = (("queued -> admitted (Kafka read, policy, waiting for a slot)", "queued", "admitted"),
+        ("admitted -> sent (admission Lua, Celery send)", "admitted", "sent"),
+        ("sent -> delivered (Celery queue, worker's consumer, task thread)", "sent", "delivered"),
+        ("delivered -> picked (a thread for a message's 2nd.. job)", "delivered", "picked"),
+        ("picked -> begun (begin Lua)", "picked", "begun"),
+        ("begun -> engine in (stream start, prefix step)", "begun", "engine_in"),
+        ("engine in -> engine started (a step boundary, room in the batch)", "engine_in", "engine_started"),
+        ("engine started -> finished (the job's steps)", "engine_started", "engine_finished"),
+        ("finished -> stored (stream end, finish Lua)", "engine_finished", "stored"),
+        ("stored -> on the results topic (relay, Kafka, this consumer)", "stored", "arrived"))
+
+
+def log_lines(log_dir: Path, msg: str) -> Iterator[dict]:
+    """The fleet's JSON log lines whose message is `msg`."""
+    needle = f'"msg":"{msg}"'
+    for path in sorted(log_dir.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if needle in line:
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a process's death
+
+
+def moments(log_dir: Path, got: dict[str, JobResult], arrived: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per job, the unix time of each moment of `HOPS`: from its stored timings, the
+    scheduler's "admitted" and the worker's "done" log lines, and its arrival here."""
+    out = {job_id: {"queued": r.timings.queued_at, "admitted": r.timings.admitted_at, "arrived": arrived.get(job_id)}
+           for job_id, r in got.items()}
+    for line in log_lines(log_dir, "admitted"):
+        if line.get("job_id") in out and "sent_at" in line:
+            out[line["job_id"]]["sent"] = line["sent_at"]
+    for line in log_lines(log_dir, "done"):
+        if line.get("job_id") in out and isinstance(line.get("at"), dict):
+            out[line["job_id"]].update(line["at"])
+    return out
+
+
+def hop_medians(per_job: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Median ms of each hop over the jobs that have both of its moments."""
+    out = {}
+    for name, a, b in HOPS:
+        spans = [m[b] - m[a] for m in per_job.values() if m.get(a) is not None and m.get(b) is not None]
+        out[name] = 1000 * statistics.median(spans) if spans else float("nan")
+    return out
+
 
 def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, model: str,
                   jobs: Sequence[list[int]], max_new_tokens: int, *, label: str,
-                  pids: dict[str, int] | None = None) -> dict:
+                  pids: dict[str, int] | None = None, log_dir: Path | None = None) -> dict:
     """Produce every job to Kafka at once; wait for every result on the results topic.
-    With `pids` ({name: pid}), also the CPU ms per job each of those processes spent."""
+    With `pids` ({name: pid}), also the CPU ms per job each of those processes spent;
+    with `log_dir` (the fleet's logs), the median of each of its `HOPS`."""
     results = Results(bootstrap, results_topic)
     cpu_before = cpu_seconds(pids or {})
     producer = make_producer(KafkaSettings(bootstrap=bootstrap), client_id="bench-fleet-jobs")
@@ -179,8 +239,12 @@ def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, m
     attempts = [r.attempt for r in done]
     hops = {name: 1000 * statistics.median(getattr(r.timings, b) - getattr(r.timings, a) for r in done)
             for name, a, b in LOAD_HOPS} if done else {}
+    every_hop = {}
+    if log_dir is not None and done:
+        time.sleep(1.0)  # the workers log a job's "done" line just after the result it waits on
+        every_hop = hop_medians(moments(log_dir, {r.job_id: r for r in done}, results.arrived))
     return {"jobs": len(requests), "done": len(done), "tokens": tokens, "wall_s": wall, "produce_s": produced,
-            "hops_median_ms": hops,
+            "hops_median_ms": hops, "every_hop_median_ms": every_hop,
             "jobs_per_s": len(requests) / wall, "tokens_per_s": tokens / wall,
             "runs_beyond_one": sum(max(0, a - 1) for a in attempts),
             "cpu_ms_per_job": {name: 1000 * (cpu_after[name] - cpu_before[name]) / len(requests)
@@ -188,9 +252,12 @@ def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, m
             "not_done": sorted({r.status.value for r in got.values()} - {JobState.DONE.value})}
 
 
-def overhead(url: str, api_key: str, n: int, seed: int) -> dict:
-    """One 1-token job at a time on the idle fleet: client round trip, engine time, and the hops."""
+def overhead(url: str, api_key: str, n: int, seed: int, log_dir: Path | None = None) -> dict:
+    """One 1-token job at a time on the idle fleet: client round trip, engine time, and the
+    hops (with `log_dir`, every one of `HOPS`, the last one to the client's long poll)."""
     rows = []
+    got: dict[str, JobResult] = {}
+    seen_at: dict[str, float] = {}
     headers = {"Authorization": f"Bearer {api_key}"}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
         for i, prompt in enumerate(prompts(n + 3, seed)):
@@ -205,6 +272,7 @@ def overhead(url: str, api_key: str, n: int, seed: int) -> dict:
             t = result.timings
             if i < 3:
                 continue  # warm-up: connections, code paths
+            got[result.job_id], seen_at[result.job_id] = result, seen
             rows.append({
                 "total (client)": seen - began,
                 "engine (started -> finished)": t.finished_at - t.started_at,
@@ -215,5 +283,10 @@ def overhead(url: str, api_key: str, n: int, seed: int) -> dict:
             })
     median = {name: 1000 * statistics.median(r[name] for r in rows) for name in rows[0]}
     over = [1000 * (r["total (client)"] - r["engine (started -> finished)"]) for r in rows]
+    every_hop = {}
+    if log_dir is not None:
+        time.sleep(1.0)  # the "done" log lines of the last jobs
+        every_hop = hop_medians(moments(log_dir, got, seen_at))
     return {"jobs": len(rows), "overhead_p50_ms": statistics.median(over),
-            "overhead_p90_ms": statistics.quantiles(over, n=10)[-1], "hops_median_ms": median}
+            "overhead_p90_ms": statistics.quantiles(over, n=10)[-1], "hops_median_ms": median,
+            "every_hop_median_ms": every_hop}

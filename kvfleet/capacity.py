@@ -42,7 +42,7 @@ class FleetCapacity:
         # 200 ms reads the registry at most once per cache_s.
         self.cache_s = cache_s
         self._clock = clock
-        self._cached: Optional[tuple[float, tuple[int, int, int]]] = None
+        self._cached: Optional[tuple[float, tuple[int, int, int, int]]] = None
 
     def heartbeats(self) -> list[WorkerHeartbeat]:
         return registry.live(self.client, self.keys)
@@ -61,7 +61,11 @@ class FleetCapacity:
         or one that takes a job per message only)."""
         return self._read()[2]
 
-    def _read(self) -> tuple[int, int, int]:
+    def workers(self) -> int:
+        """How many workers are alive."""
+        return self._read()[3]
+
+    def _read(self) -> tuple[int, int, int, int]:
         now = self._clock()
         if self._cached is not None and now - self._cached[0] < self.cache_s:
             return self._cached[1]
@@ -71,5 +75,5 @@ class FleetCapacity:
             tokens = min(tokens, self.ceiling_tokens)
         slots = 0 if any(b.slots <= 0 for b in beats) else sum(b.slots for b in beats)
         per_message = max(1, min((b.jobs_per_message for b in beats), default=1))
-        self._cached = (now, (tokens, slots, per_message))
-        return tokens, slots, per_message
+        self._cached = (now, (tokens, slots, per_message, len(beats)))
+        return tokens, slots, per_message, len(beats)

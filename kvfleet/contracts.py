@@ -222,6 +222,9 @@ class Completion(msgspec.Struct, frozen=True):
     started_at: float
     first_token_at: Optional[float]
     finished_at: float
+    #: When the engine took the request in (before its first step): started_at minus
+    #: this is the wait for a step boundary and a place in the batch.
+    submitted_at: Optional[float] = None
 
 
 # --- encoders / decoders: built once, reused (msgspec caches the type plan in them) ---

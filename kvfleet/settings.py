@@ -50,6 +50,10 @@ def _optional_int(raw: str) -> Optional[int]:
     return int(raw) if raw.strip() else None
 
 
+def _optional_float(raw: str) -> Optional[float]:
+    return float(raw) if raw.strip() else None
+
+
 def parse_api_keys(raw: str) -> dict[str, str]:
     """'k1:acme,k2:globex' -> {'k1': 'acme', 'k2': 'globex'}; each key maps to one tenant."""
     keys: dict[str, str] = {}
@@ -208,6 +212,10 @@ class ApiSettings:
     #: 64 = one class's scheduler buffer (`max_buffered`): more waiting than the
     #: scheduler can even look at.
     overload_backlog: int = knob(64, "OVERLOAD_BACKLOG", int, lo=0)
+    #: Retry-After of that 503, seconds: a rough hint, as the overload is read afresh
+    #: every second. 30 is what it said before issue 15, when it was bronze's fixed
+    #: shed time (`PolicyConfig.bronze_shed_after_s`, now unset by default).
+    overload_retry_after_s: float = knob(30.0, "OVERLOAD_RETRY_AFTER_S", float, gt=0)
 
     @property
     def base_url(self) -> str:
@@ -259,6 +267,12 @@ class SchedulerSettings:
     #: releases wake it at once (scheduler/wake.py); a new worker's capacity, a Redis
     #: without pub/sub or new Kafka records are noticed within this.
     busy_poll_ms: int = knob(20, "BUSY_POLL_MS", int, lo=1)
+    #: Once freed tokens woke the loop, how long it gathers further releases before it
+    #: admits, ms (scheduler/wake.py). The jobs of one engine step end within a few ms
+    #: of each other: 10 ms turns their freed slots into one round and a few messages
+    #: instead of a round and a message each (docs/benchmarks.md, "Job path"), at a cost
+    #: of at most that to a job that waits for budget anyway. 0: admit at the first.
+    round_gather_ms: int = knob(10, "SCHEDULER_ROUND_GATHER_MS", int, lo=0)
     #: An operator's cap on the fleet's token budget; 0 = the live workers' KV capacity.
     capacity_ceiling_tokens: int = knob(0, "CAPACITY_CEILING_TOKENS", int, lo=0)
     #: A reservation's lease from admission until a worker starts the job and renews
@@ -324,8 +338,28 @@ class PolicyConfig:
     #: wasted). A tenant's own `limit` (kvfleet/tenancy.py) stays hard. Off: the shares
     #: are hard limits, idle fleet or not.
     borrow_idle: bool = knob(True, "BORROW_IDLE", _bool)
-    #: Seconds a bronze job may wait before it is shed (the API answers 503 for it).
-    bronze_shed_after_s: float = knob(30.0, "BRONZE_SHED_AFTER_S", float)
+    #: Shed a bronze job as soon as it can no longer be admitted before its deadline: the
+    #: tokens buffered ahead of it, at the rate the buffer drains (scheduler/drain_rate.py),
+    #: take it past the deadline. It would only expire later; shed now, its client gets
+    #: the 503 to retry while the deadline is still ahead, and work that can still finish
+    #: in time is never refused (issue 15: shedding after a fixed 30 s refused 1,627
+    #: bronze jobs that strict priority finished in time). Off: bronze only expires.
+    bronze_shed_late: bool = knob(True, "BRONZE_SHED_LATE", _bool)
+    #: Seconds a bronze job may wait before it is shed whatever its deadline: a hard
+    #: bound on bronze's wait for fleets that prefer a fast refusal to serving bronze
+    #: late. Unset (the default): only `bronze_shed_late` sheds.
+    bronze_shed_after_s: Optional[float] = knob(None, "BRONZE_SHED_AFTER_S", _optional_float)
+    #: Fraction of the fleet's task slots (the workers' Celery threads, their heartbeats'
+    #: `slots`) that normal and low jobs may not take: room kept for high jobs that
+    #: arrive while the fleet is full. Beside a high job the engine's priority guard
+    #: slows normal and low jobs to a crawl, so without it they keep every thread while a
+    #: burst of high jobs waits for one. bench/scheduler.py, 10 seeds, 0 → 0.125 → 0.25
+    #: → 0.375: high's p99 wait 3.9 → 2.2 → 1.3 → 0.05 s, its p99 end to end 1.88 → 1.63
+    #: → 1.50 → 1.54 × unloaded (what is left is high's run time, which
+    #: slots cannot shorten), compliant tenants' low p99 wait 86 → 91 → 99 → 106 s. 0.25: 4 of a
+    #: 16-thread worker's threads. Only threads are kept, never tokens; a fleet of fewer
+    #: than 4 slots keeps none (the count is rounded down). 0: no reserve.
+    high_slot_reserve: float = knob(0.25, "HIGH_SLOT_RESERVE", float)
     #: Jobs buffered per class before its partitions pause: the policy's lookahead. Also
     #: bounds what a crashed replica leaves for redelivery.
     max_buffered: int = knob(64, "MAX_BUFFERED", int)
@@ -334,9 +368,14 @@ class PolicyConfig:
         if self.base_ceiling_tokens < 4:
             raise ValueError(f"base_ceiling_tokens={self.base_ceiling_tokens} must be >= 4 (low gets a quarter) "
                              "(KVFLEET_BASE_CEILING_TOKENS)")
-        for name in ("aging_s", "bronze_shed_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds (KVFLEET_{name.upper()})")
+        if not self.aging_s > 0:
+            raise ValueError(f"aging_s={self.aging_s} must be > 0 seconds (KVFLEET_AGING_S)")
+        if self.bronze_shed_after_s is not None and not self.bronze_shed_after_s > 0:
+            raise ValueError(f"bronze_shed_after_s={self.bronze_shed_after_s} must be > 0 seconds, or unset "
+                             "(KVFLEET_BRONZE_SHED_AFTER_S)")
+        if not 0.0 <= self.high_slot_reserve < 1.0:
+            raise ValueError(f"high_slot_reserve={self.high_slot_reserve} must be within [0, 1): the fraction of "
+                             "the task slots normal and low jobs may not take (KVFLEET_HIGH_SLOT_RESERVE)")
         for p in Priority:
             c, var = self.of(p), f"KVFLEET_{p.value.upper()}"
             if not 0.0 <= c.share <= 1.0:

@@ -600,7 +600,7 @@ class ColdTier:
         return int(dict(self._lock_client.pubsub_numsub(lock_key)).get(lock_key.encode(), 0))
 
     def ensure_prefix(self, block_hashes: Sequence[BlockHash], prefill: Callable[[], None], *,
-                      first_missing: int = 0) -> PrefixSource:
+                      first_missing: int = 0, known_missing: bool = False) -> PrefixSource:
         """Make sure a prefix's blocks are in the cold tier, prefilling them at most once fleet-wide.
 
         The flight is keyed on `block_hashes[first_missing]`, the first block that no tier
@@ -612,6 +612,8 @@ class ColdTier:
         `prefill()` must compute the blocks and `write()` them before it returns. COLD:
         the blocks are in Redis, load them (a load that still comes up short, e.g. after
         an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
+        `known_missing`: the caller has just found `block_hashes[first_missing]` absent
+        (`present_run`), so the flight does not look again before it takes the lock.
         """
         marker = hash_id(block_hashes[first_missing])
         first = self.key(marker)
@@ -635,4 +637,4 @@ class ColdTier:
                         del self._building[marker]
             return PrefixSource.BUILT
 
-        return self.flight.run(lock_key, lookup, build)
+        return self.flight.run(lock_key, lookup, build, missing=known_missing)

@@ -62,12 +62,19 @@ class Lease:
             return True
         return bool(self._renew(keys=[self.key], args=[self.token, self.ttl_ms]))
 
-    def release(self) -> bool:
-        """Stop renewing and delete the key if we still own it; False if we did not."""
+    def release(self, *, pipe: Optional[redis.client.Pipeline] = None) -> bool:
+        """Stop renewing and delete the key if we still own it; False if we did not.
+        With `pipe`, the delete is queued on that pipeline instead (its reply, 1 or 0,
+        comes with `execute`)."""
         self._stop.set()
         if self._renewer is not None and self._renewer is not threading.current_thread():
             self._renewer.join(timeout=self.ttl_ms / 1000)
         self._renewer = None
+        if pipe is not None:
+            # EVAL with the text: a pipeline holding a registered script would first ask
+            # Redis whether it is loaded (SCRIPT EXISTS), a round trip of its own.
+            pipe.eval(_RELEASE, 1, self.key, self.token)
+            return True
         return bool(self._release(keys=[self.key], args=[self.token]))
 
     def keep_alive(self) -> None:

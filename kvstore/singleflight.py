@@ -116,9 +116,12 @@ class SingleFlight:
         self.early_refresh_beta = early_refresh_beta
         self.use_lock = use_lock
 
-    def run(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T]) -> T:
-        """The value behind `lock_key`: found, built by this caller, or built by another."""
-        entry = lookup()
+    def run(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T], *, missing: bool = False) -> T:
+        """The value behind `lock_key`: found, built by this caller, or built by another.
+        `missing`: the caller has just read that there is no value (a read of its own
+        that covers `lookup`'s), so the first lookup is skipped; the one under the lock,
+        and a waiter's, still run."""
+        entry = NO_VALUE if missing else lookup()
         if entry is NO_VALUE:
             metrics.MISSES.labels(self.name).inc()
             return self._build_or_wait(lock_key, lookup, build)
@@ -190,8 +193,7 @@ class SingleFlight:
             lease.keep_alive()
             return self._build(build)
         finally:
-            lease.release()  # compare-and-delete: never frees a lease we already lost
-            self._announce(lease.key)
+            self._release(lease)
 
     def _build(self, build: Callable[[], T]) -> T:
         started = time.perf_counter()
@@ -202,12 +204,16 @@ class SingleFlight:
 
     # --- wake-ups -----------------------------------------------------------------
     # Pub/sub channels live apart from the keyspace, so the lock key names the channel.
-    def _announce(self, lock_key: str) -> None:
-        try:
-            self.client.publish(lock_key, b"released")
-        except redis.RedisError:
-            # Waiters still poll; a lost wake-up costs them at most `poll_s`.
-            log.warning("could not announce a lock release", extra={"lock": lock_key}, exc_info=True)
+    def _release(self, lease: Lease) -> None:
+        """Release the lease (compare-and-delete: never frees one we already lost) and
+        announce it, in one round trip; a connection error raises, as a release's would,
+        and a refused announcement costs the waiters at most `poll_s`, as below."""
+        with self.client.pipeline(transaction=False) as pipe:
+            lease.release(pipe=pipe)
+            pipe.publish(lease.key, b"released")
+            _, announced = pipe.execute(raise_on_error=False)
+        if isinstance(announced, Exception):
+            log.warning("could not announce a lock release", extra={"lock": lease.key, "error": str(announced)})
 
     @contextlib.contextmanager
     def _wakeups(self, lock_key: str) -> Iterator[redis.client.PubSub]:

@@ -2,7 +2,7 @@
 
     422  the job is over its class's token ceiling: it could never run
     429  its class's backlog is over its bound (Retry-After: the time to drain the excess)
-    503  a bronze tenant while the fleet is overloaded (Retry-After: bronze's shed time)
+    503  a bronze tenant while the fleet is overloaded (Retry-After: `overload_retry_after_s`)
     413  the job is larger than the tenant's whole quota bucket: it can never pass
     429  the tenant is over its quota (Retry-After: the time to refill the deficit)
 
@@ -83,4 +83,4 @@ class Gate:
                 and waiting >= self.api.overload_backlog):
             raise Refused(f"the fleet is overloaded ({reading.utilization:.0%} of its tokens in use, {waiting} "
                           "jobs waiting); bronze jobs are not accepted now, retry later",
-                          status=503, retry_after_s=self.policy.bronze_shed_after_s, code="overloaded")
+                          status=503, retry_after_s=self.api.overload_retry_after_s, code="overloaded")

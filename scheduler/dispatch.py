@@ -13,10 +13,11 @@ Messages: the jobs of one round go to their class's queue in messages of several
 (`pack`), because a worker's Celery consumer pays per message (a read, an unacked
 record, an ack) whatever it carries. A worker's task thread takes one message and runs
 its jobs side by side (workers/tasks.py), so a message is also the unit of load
-balance: a round is cut into at least as many messages as one may carry jobs, and only
-a round larger than that packs. A message of one job is the one-job task, the only one
-older workers know; `FleetCapacity.jobs_per_message` keeps the packing to what every
-live worker takes.
+balance: a round is cut into at least `spread` messages (the live workers: each
+worker's consumer takes the next message when it asks, so a round reaches all of them),
+and a round larger than that packs. A message of one job is the one-job task, the only
+one older workers know; `FleetCapacity.jobs_per_message` keeps the packing to what
+every live worker takes.
 """
 
 from __future__ import annotations
@@ -49,18 +50,20 @@ class Dispatched:
     skipped: list[tuple[Ticket, JobState | None]] = field(default_factory=list)  # cancelled, running, finished
 
 
-def pack(jobs: Sequence[JobRequest], most: int) -> list[list[JobRequest]]:
+def pack(jobs: Sequence[JobRequest], most: int, spread: int = 0) -> list[list[JobRequest]]:
     """The messages that carry `jobs`: grouped by class (each class has its queue), in
-    order, each message of at most `most` jobs and each class's jobs in at least `most`
-    messages (or one per job, if fewer). So a message never holds more than about
-    1/`most` of a class's round until the round passes `most`² jobs: 8 jobs go out one
-    per message, 64 in sixteen of four, 256 and up in messages of `most`."""
+    order, each message of at most `most` jobs and each class's jobs in at least
+    `spread` messages (0: `most`; one per job, if fewer jobs). With two workers
+    (`spread` 2), 8 jobs go out in two messages of four, 64 in four of sixteen; with
+    the default, a message never holds more than about 1/`most` of a class's round until
+    the round passes `most`² jobs: 8 jobs go out one per message, 64 in sixteen of four."""
+    spread = spread or most
     by_class: dict[str, list[JobRequest]] = defaultdict(list)
     for job in jobs:
         by_class[job.priority.value].append(job)
     messages = []
     for group in by_class.values():
-        size = max(1, min(most, math.ceil(len(group) / most)))
+        size = max(1, min(most, math.ceil(len(group) / spread)))
         messages += [group[i:i + size] for i in range(0, len(group), size)]
     return messages
 
@@ -74,9 +77,10 @@ class Dispatcher:
         self.replica = replica
 
     def dispatch(self, tickets: Sequence[Ticket], *, capacity: int, now: float, slots: int = 0,
-                 jobs_per_message: int = 1) -> Dispatched:
+                 jobs_per_message: int = 1, spread: int = 0) -> Dispatched:
         """Reserve, admit and send each ticket, in order, within `capacity` tokens and
-        `slots` jobs (0 = no limit), in messages of up to `jobs_per_message` jobs (`pack`).
+        `slots` jobs (0 = no limit), in messages of up to `jobs_per_message` jobs, each
+        class's in at least `spread` messages (`pack`).
         Raises on a Redis or broker error; every step is idempotent, so the caller
         simply tries the tickets again."""
         out = Dispatched()
@@ -91,7 +95,7 @@ class Dispatcher:
                 out.full.append(ticket)
             else:
                 out.skipped.append((ticket, a.previous))
-        self.send(pack([t.request for t, _ in out.sent], jobs_per_message))
+        self.send(pack([t.request for t, _ in out.sent], jobs_per_message, spread))
         return out
 
     def send(self, messages: Sequence[Sequence[JobRequest]]) -> None:

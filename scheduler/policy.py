@@ -25,14 +25,20 @@ What one `schedule()` call does, in order:
    for what they left: capacity nobody within a share is waiting for. It never holds
    the budget, and nothing is borrowed while it is held, so borrowed work is the first
    to give way: the tokens and slots it frees go to jobs within their shares first.
+   Slots: a job needs a free task slot too, and normal and low jobs leave the last
+   `high_slot_reserve` of them to high jobs, so a burst of high work finds threads.
 5. Hold. The first job blocked by the budget that has waited its class's
    `reserve_after_s` holds the line: nothing after it takes the shared budget in this
    call, so the tokens that free up accumulate for it and a stream of small jobs
    cannot keep taking them (TGI forces waiting requests in after `max_waiting_tokens`
    steps for the same reason). Jobs that are merely blocked are skipped, so smaller
    jobs behind them backfill.
-6. Shedding. A bronze job still waiting after `bronze_shed_after_s` is shed: under
-   overload bronze goes first; other tiers only ever expire on their deadline.
+6. Shedding (bronze only; other tiers only ever expire on their deadline). With
+   `bronze_shed_late`, a bronze job is shed once it can no longer be admitted before
+   its deadline: the tokens buffered ahead of it, at the rate the buffer has been
+   draining (scheduler/drain_rate.py), reach past it. So shedding refuses only work that
+   would expire anyway, while its client can still retry in time. With
+   `bronze_shed_after_s` set, a bronze job that waited that long is shed as well.
 7. Backpressure, per Kafka partition (partitions are keyed by tenant). While the
    budget is spent nothing leaves the buffer, so it fills: a class with `max_buffered`
    jobs pauses every partition it holds a job from, and resumes them as admissions
@@ -43,6 +49,7 @@ What one `schedule()` call does, in order:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -50,6 +57,7 @@ from kvfleet.ceiling import over_ceiling
 from kvfleet.contracts import JobRequest, Priority, token_cost
 from kvfleet.settings import PolicyConfig
 from kvfleet.tenancy import Tenant, Tier
+from scheduler.drain_rate import DrainRate
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,7 @@ class Room:
     """The budget during one `schedule()` call: a shared pool plus, per gold tenant,
     the unused part of its reserve, which only that tenant may take."""
 
-    def __init__(self, budget: Budget, reserves: Mapping[str, int]) -> None:
+    def __init__(self, budget: Budget, reserves: Mapping[str, int], *, high_slots: int = 0) -> None:
         self.capacity = budget.capacity
         self.tenant_in_use = dict(budget.tenant_in_use)
         self.class_in_use = dict(budget.class_in_use)
@@ -132,10 +140,17 @@ class Room:
         # Negative when in use exceeds the capacity (a worker just died): nothing fits.
         self.shared = budget.capacity - budget.in_use - sum(self.unused_reserve.values())
         self.free_slots: Optional[int] = budget.slots - budget.jobs if budget.slots > 0 else None
+        self.high_slots = high_slots  # the last free slots, which only high jobs take
 
     @property
     def slots_left(self) -> bool:
         return self.free_slots is None or self.free_slots > 0
+
+    def slot_for(self, job: "PendingJob") -> bool:
+        """Is a slot free for this job? Normal and low leave the last `high_slots` to high."""
+        if self.free_slots is None:
+            return True
+        return self.free_slots > (0 if job.priority is Priority.HIGH else self.high_slots)
 
     def tenant_ahead(self, job: "PendingJob") -> int:
         """Tokens the job's tenant holds in its class and the better ones: what fills its
@@ -173,6 +188,7 @@ class Policy:
         self._buffer: dict[Priority, list[PendingJob]] = {p: [] for p in Priority}
         self._rejected: list[Verdict] = []
         self._paused: frozenset[Partition] = frozenset()
+        self._drain = DrainRate()  # how fast the buffer empties while jobs wait: bronze_shed_late's rate
 
     # --- the interface the service and the simulator drive ---
 
@@ -200,11 +216,13 @@ class Policy:
         """Decide what leaves the buffer now; the admitted are removed, in admission order."""
         rejected, self._rejected = tuple(self._rejected), []
         expired = self._take(lambda j: j.deadline is not None and j.deadline <= now)
-        room = Room(budget, self._reserves(budget.capacity))
+        room = Room(budget, self._reserves(budget.capacity),
+                    high_slots=int(self.config.high_slot_reserve * budget.slots))
         admitted, holding = self._admit(now, room)
         ids = {j.job_id for j in admitted}
         self._take(lambda j: j.job_id in ids)
-        shed = self._shed(now)
+        self._drain.record(now, sum(j.cost for j in admitted), waiting=self.pending() > 0)
+        shed = self._shed(now, room)
         self._backpressure()
         return Decision(
             admit=tuple(admitted),
@@ -241,7 +259,7 @@ class Policy:
             job = queues[p][heads[p]]
             heads[p] += 1
             due = now - job.enqueued_at >= self.config.of(p).reserve_after_s
-            if job.tenant in held_tenants:
+            if job.tenant in held_tenants or not room.slot_for(job):
                 continue
             if not self._within_hard_cap(job, room):
                 # Over its hard limit: it waits without blocking other tenants, and once
@@ -261,7 +279,7 @@ class Policy:
             for job in borrowers:
                 if not room.slots_left:
                     break
-                if job.cost <= room.free_for(job.tenant) and self._within_hard_cap(job, room):
+                if room.slot_for(job) and job.cost <= room.free_for(job.tenant) and self._within_hard_cap(job, room):
                     room.take(job)
                     admitted.append(job)
         return admitted, holding
@@ -301,11 +319,45 @@ class Policy:
         others_reserved = sum(r for t, r in self._reserves(room.capacity).items() if t != job.tenant)
         return job.cost <= room.capacity - others_reserved
 
-    def _shed(self, now: float) -> tuple[Verdict, ...]:
+    def _shed(self, now: float, room: Room) -> tuple[Verdict, ...]:
         limit = self.config.bronze_shed_after_s
-        shed = self._take(lambda j: j.tier is Tier.BRONZE and now - j.enqueued_at >= limit)
-        return tuple(Verdict(j, "overloaded", f"fleet overloaded: bronze job shed after waiting "
-                             f"{now - j.enqueued_at:.1f} s; retry later") for j in shed)
+        waited = self._take(lambda j: j.tier is Tier.BRONZE and limit is not None and now - j.enqueued_at >= limit)
+        verdicts = [Verdict(j, "overloaded", f"fleet overloaded: bronze job shed after waiting "
+                            f"{now - j.enqueued_at:.1f} s; retry later") for j in waited]
+        rate = self._drain.tokens_per_s() if self.config.bronze_shed_late else None
+        if rate is not None:
+            late = self._late_bronze(now, room, rate)
+            self._take(lambda j: j.job_id in late)
+            verdicts += [Verdict(j, "overloaded", f"fleet overloaded: {ahead} tokens wait ahead of this bronze job, "
+                                 f"{ahead / rate:.0f} s at the {rate:.0f} tokens/s the fleet drains; it would start "
+                                 f"after its deadline. Retry later") for j, ahead in late.values()]
+        return tuple(verdicts)
+
+    def _late_bronze(self, now: float, room: Room, rate: float) -> dict[str, tuple[PendingJob, int]]:
+        """Bronze jobs that cannot be admitted before their deadline, each with the tokens
+        ahead of it: the buffered jobs that go first (jobs within their tenant's share
+        before borrowers; among each, those past their class's aging bound, oldest first,
+        then better classes, then older jobs of the same class) and itself, less what is
+        free for it now, drained at `rate` tokens per second.
+
+        The count leaves out what makes the wait longer still (jobs that will arrive
+        with a better rank, or within their share while this one borrows), so a job is
+        shed only when even this short wait passes its deadline."""
+        def order(job: PendingJob) -> tuple:
+            borrowing = room.tenant_ahead(job) + job.cost > self._tenant_cap(job) * room.capacity
+            if now - job.enqueued_at >= self.config.of(job.priority).max_wait_s:
+                return (borrowing, 0, 0, job.enqueued_at, job.job_id)
+            return (borrowing, 1, job.priority.rank, job.enqueued_at, job.job_id)
+
+        queue = sorted((j for b in self._buffer.values() for j in b), key=order)
+        late: dict[str, tuple[PendingJob, int]] = {}
+        for job, before in zip(queue, itertools.accumulate((j.cost for j in queue), initial=0)):
+            if job.tier is not Tier.BRONZE or job.deadline is None:
+                continue
+            ahead = max(0, before + job.cost - room.free_for(job.tenant))
+            if now + ahead / rate > job.deadline:
+                late[job.job_id] = (job, ahead)
+        return late
 
     def _share(self, tenant: str, tier: Tier) -> float:
         known = self.tenants.get(tenant)

@@ -203,7 +203,9 @@ class SchedulerService:
             # finishing job's tokens (scheduler/wake.py), at most busy_poll_ms.
             polled = self.consumer.poll(timeout_ms=0, max_records=s.max_poll_records)
             if not polled and self.wake is not None:
-                self.wake.wait(s.busy_poll_ms / 1000)
+                # The jobs of one engine step end within milliseconds of each other: one
+                # round for all of their slots, not a round (and a Celery message) each.
+                self.wake.wait(s.busy_poll_ms / 1000, gather_s=s.round_gather_ms / 1000)
                 polled = self.consumer.poll(timeout_ms=0, max_records=s.max_poll_records)
             elif not polled:
                 polled = self.consumer.poll(timeout_ms=s.busy_poll_ms, max_records=s.max_poll_records)
@@ -402,26 +404,28 @@ class SchedulerService:
         try:
             out = self.dispatcher.dispatch(
                 tickets, capacity=self.capacity.read(), slots=self.capacity.slots(), now=now,
-                jobs_per_message=min(self.settings.scheduler.jobs_per_message, self.capacity.jobs_per_message()))
+                jobs_per_message=min(self.settings.scheduler.jobs_per_message, self.capacity.jobs_per_message()),
+                spread=self.capacity.workers())
         except _FAILURES:
             for w in chosen:  # all idempotent: they simply wait and go again
                 self.policy.requeue(w.job)
             self.buffer_again([*decision.expire, *decision.reject, *decision.shed])  # `refuse` will not run
             raise
+        sent_at = time.time()
         for ticket, previous in out.sent:
-            self.sent(ticket, previous, now)
+            self.sent(ticket, previous, now, sent_at)
         for ticket in out.full:
             if ticket.request.job_id in self.waiting:  # another replica took the tokens first
                 self.policy.requeue(self.waiting[ticket.request.job_id].job)
         for ticket, previous in out.skipped:  # cancelled or finished meanwhile
             self.leave(ticket.request, "cancelled" if previous is JobState.CANCELLED else "duplicate")
 
-    def sent(self, ticket: Ticket, previous: JobState, now: float) -> None:
+    def sent(self, ticket: Ticket, previous: JobState, now: float, sent_at: float) -> None:
         job = ticket.request
         if previous is JobState.QUEUED:
             m.QUEUE_DELAY.labels(job.priority.value).observe(max(0.0, now - job.submitted_at))
             log.info("admitted", extra={"job_id": job.job_id, "priority": job.priority.value,
-                                        "tenant": job.tenant, "tokens": ticket.tokens})
+                                        "tenant": job.tenant, "tokens": ticket.tokens, "sent_at": sent_at})
         self.leave(job, "admitted" if previous is JobState.QUEUED else "resent")
 
     def refuse(self, decision: Decision, now: float) -> None:

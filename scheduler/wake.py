@@ -6,6 +6,12 @@ that interval after every job (issue 16); instead the job store's `finish` publi
 `Keys.ledger_freed` whenever it releases a reservation, and `BudgetWake.wait` returns as
 soon as one arrives. The interval stays as the bound (new workers, reclaimed leases and
 new Kafka records are noticed within it), and a Redis error degrades to it.
+
+A wake-up gathers: it returns `gather_s` after the first release, with every release
+seen by then. Jobs that ran in one engine step end together, and their releases
+arrive over a few milliseconds; a round of admission at each of them would send a
+Celery message per freed slot, each of which costs the scheduler and a worker's
+consumer the same whatever it carries (docs/benchmarks.md, "Job path").
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ class BudgetWake:
         self.channel = channel
         self._pubsub: redis.client.PubSub | None = None
 
-    def wait(self, timeout_s: float) -> int:
-        """Block until tokens are freed or `timeout_s` passed; the releases seen (0: none)."""
+    def wait(self, timeout_s: float, *, gather_s: float = 0.0) -> int:
+        """Block until tokens are freed or `timeout_s` passed, then gather releases for
+        `gather_s` more; the releases seen (0: none)."""
         try:
             if self._pubsub is None:
                 self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
@@ -41,10 +48,15 @@ class BudgetWake:
                 if remaining <= 0:
                     return 0
             seen = 0
-            while message is not None:  # every release since the last wait: one wake-up
-                seen += message["type"] == "message"
-                message = self._pubsub.get_message(timeout=0)
-            return seen
+            gather_until = time.monotonic() + gather_s
+            while True:  # every release since the last wait, and until gather_until: one wake-up
+                while message is not None:
+                    seen += message["type"] == "message"
+                    message = self._pubsub.get_message(timeout=0)
+                remaining = gather_until - time.monotonic()
+                if remaining <= 0:
+                    return seen
+                message = self._pubsub.get_message(timeout=remaining)
         except redis.RedisError as exc:
             log.warning("budget wake-up unavailable; waiting the interval", extra={"error": str(exc)})
             self.close()

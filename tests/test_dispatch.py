@@ -35,6 +35,19 @@ def test_a_round_packs_only_once_it_outgrows_the_spread(n, most, sizes):
     assert [j.job_id for m in messages for j in m] == [f"j{i}" for i in range(n)]  # each once, in order
 
 
+@pytest.mark.parametrize("n, spread, sizes", [
+    (8, 2, [4, 4]),  # two workers: a small round still reaches both, in two messages
+    (3, 2, [2, 1]),
+    (1, 2, [1]),  # one job is a one-job message, whatever the spread
+    (64, 2, [16] * 4),  # capped by the most a message may carry
+    (40, 3, [14, 14, 12]),
+])
+def test_a_round_is_cut_into_at_least_spread_messages(n, spread, sizes):
+    messages = pack([job(i) for i in range(n)], 16, spread)
+    assert [len(m) for m in messages] == sizes
+    assert [j.job_id for m in messages for j in m] == [f"j{i}" for i in range(n)]
+
+
 def test_each_message_holds_jobs_of_one_class():
     jobs = [job(i, (Priority.HIGH, Priority.LOW)[i % 2]) for i in range(40)]
     messages = pack(jobs, 4)

@@ -183,3 +183,56 @@ def test_finish_announces_a_released_reservation_and_wakes_a_waiting_scheduler(s
     # Returns as soon as the release arrives (the timeout only bounds a broken test).
     assert wake.wait(30) == 1
     wake.close()
+
+
+def test_begin_many_is_begin_for_each_job_in_one_round_trip(store, redis_client):
+    from kvfleet.jobstore import BeginArgs
+
+    fresh, done, held = _job("fresh"), _job("done"), _job("held")
+    for job in (fresh, done, held):
+        store.create(job)
+    store.start(done.job_id, now=1.0, worker="w")
+    assert store.finish(_done(done)).ok
+    other = Lease(redis_client, store.keys.run_lease(held.job_id), 5000)
+    assert other.acquire()  # another copy runs it
+    begun = store.begin_many([BeginArgs(j, f"token-{j}") for j in ("fresh", "done", "held", "nobody")],
+                             lease_ms=5000, now=2.0, worker="w2", reservation_lease_s=5.0)
+    assert [b.outcome for b in begun] == ["started", "terminal", "held", "missing"]
+    assert begun[0].attempt == 1 and begun[0].timings.queued_at == fresh.submitted_at
+    assert store.state("fresh") is JobState.RUNNING
+    assert redis_client.get(store.keys.run_lease("fresh")).decode() == "token-fresh"
+    assert redis_client.get(store.keys.run_lease("held")).decode() == other.token  # untouched
+    assert store.begin_many([], lease_ms=5000, now=2.0, worker="w2", reservation_lease_s=5.0) == []
+
+
+class _ScriptedPubSub:
+    """A pub/sub whose `get_message` returns the next scripted message (None: nothing
+    arrived within the timeout), then None for ever."""
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def subscribe(self, channel):
+        pass
+
+    def get_message(self, timeout=0.0):
+        return self.script.pop(0) if self.script else None
+
+    def close(self):
+        pass
+
+
+def test_a_wake_up_gathers_the_releases_that_follow_the_first():
+    from scheduler.wake import BudgetWake
+
+    release = {"type": "message", "data": b"j"}
+
+    def wake_after(script) -> BudgetWake:
+        client = type("Client", (), {"pubsub": lambda self, **_: _ScriptedPubSub(script)})()
+        return BudgetWake(client, "freed")
+
+    # One release, then nothing pending at once, then a second one a moment later.
+    script = [release, None, release]
+    assert wake_after(script).wait(30) == 1  # without gathering: the wake-up is the first alone
+    assert wake_after(script).wait(30, gather_s=0.05) == 2  # gathered into one wake-up
+    assert wake_after([]).wait(0.01, gather_s=0.05) == 0  # no release: the timeout, no gathering

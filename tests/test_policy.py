@@ -245,3 +245,96 @@ def test_the_decision_names_the_job_the_budget_is_held_for():
     policy.add(job("short", NORMAL, 100, 5.5))
     held = policy.schedule(6.0, budget)
     assert held.holding.job_id == "long" and held.admit == ()  # the short one, though it fits, waits
+
+
+def _drain_at_one_job_a_second(policy: Policy, until: float) -> None:
+    """`policy.schedule` once a second from 0 to `until` on a full fleet where one
+    1,000-token job finishes a second: the buffer drains at 1,000 tokens/s."""
+    for t in range(int(until) + 1):
+        admitted = policy.schedule(float(t), Budget(10_000, 9_000))
+        assert len(admitted.admit) == 1 and admitted.shed == ()
+
+
+def test_bronze_is_shed_only_once_it_cannot_start_before_its_deadline():
+    # 100 silver jobs ahead, 1,000 tokens each, and one bronze job behind them whose
+    # deadline is 90 s away: at 1,000 tokens/s it would start at about 101 s.
+    policy = Policy()
+    for i in range(100):
+        policy.add(job(f"s{i:03d}", NORMAL, 1000, 0.0))
+    policy.add(job("bronze", NORMAL, 1000, 0.5, tenant="cheap", tier=Tier.BRONZE, deadline=90.0))
+    # Until a whole window (30 s) of backlog was seen there is no rate: nothing is shed,
+    # though the job has waited past the old fixed 30 s.
+    _drain_at_one_job_a_second(policy, 29.0)
+    decision = policy.schedule(30.0, Budget(10_000, 9_000))
+    (verdict,) = decision.shed
+    assert verdict.job.job_id == "bronze" and verdict.code == "overloaded"
+    assert "1000 tokens/s" in verdict.message and "after its deadline" in verdict.message
+    assert policy.pending() == 69  # the silver jobs only expire, never shed
+
+
+def test_bronze_that_can_still_start_in_time_waits_however_long():
+    # The same queue with the deadline at 200 s: it waits ~100 s, is never shed, and runs.
+    policy = Policy()
+    for i in range(100):
+        policy.add(job(f"s{i:03d}", NORMAL, 1000, 0.0))
+    policy.add(job("bronze", NORMAL, 1000, 0.5, tenant="cheap", tier=Tier.BRONZE, deadline=200.0))
+    _drain_at_one_job_a_second(policy, 99.0)
+    assert ids(policy.schedule(100.0, Budget(10_000, 9_000)).admit) == ["bronze"]
+    # `bronze_shed_after_s` set: the fixed bound sheds it whatever its deadline.
+    policy = Policy(PolicyConfig(bronze_shed_after_s=30.0))
+    policy.add(job("bronze", NORMAL, 1000, 0.0, tenant="cheap", tier=Tier.BRONZE, deadline=1000.0))
+    assert ids(v.job for v in policy.schedule(30.0, Budget(10_000, 10_000)).shed) == ["bronze"]
+    # `bronze_shed_late` off as well: bronze only expires.
+    policy = Policy(PolicyConfig(bronze_shed_late=False))
+    for i in range(100):
+        policy.add(job(f"s{i:03d}", NORMAL, 1000, 0.0))
+    policy.add(job("bronze", NORMAL, 1000, 0.5, tenant="cheap", tier=Tier.BRONZE, deadline=90.0))
+    _drain_at_one_job_a_second(policy, 60.0)
+    assert ids(v.job for v in policy.schedule(90.0, Budget(10_000, 10_000)).expire) == ["bronze"]
+
+
+def test_a_borrowing_bronze_job_counts_every_job_within_a_share_as_ahead():
+    # Older than the silver jobs, but over its 20% share: they all go first.
+    policy = Policy()
+    policy.add(job("bronze", NORMAL, 1000, 0.0, tenant="cheap", tier=Tier.BRONZE, deadline=60.0))
+    for i in range(100):
+        policy.add(job(f"s{i:03d}", NORMAL, 1000, 0.5))
+    budget = Budget(10_000, 9_000, tenant_in_use={"cheap": 3_000})
+    for t in range(30):
+        assert ids(policy.schedule(float(t), budget).admit) == [f"s{t:03d}"]
+    (verdict,) = policy.schedule(30.0, budget).shed  # 70 silver jobs ahead: 70 s, past 60
+    assert verdict.job.job_id == "bronze" and "70000 tokens" in verdict.message
+
+
+def test_normal_and_low_leave_the_reserved_slots_to_high():
+    # 16 slots, a quarter (4) kept for high; 11 taken, so 5 free: one for normal or low.
+    policy = Policy(PolicyConfig(high_slot_reserve=0.25))
+    for j in (job("n1", NORMAL, 100, 0.0), job("n2", NORMAL, 100, 0.0), job("l1", LOW, 100, 0.0)):
+        policy.add(j)
+    assert ids(policy.schedule(1.0, Budget(100_000, 0, slots=16, jobs=11)).admit) == ["n1"]
+    for i in range(5):
+        policy.add(job(f"h{i}", HIGH, 100, 1.0))
+    # The 4 slots left are high's; the fifth high job waits for a slot like anyone.
+    assert ids(policy.schedule(2.0, Budget(100_000, 0, slots=16, jobs=12)).admit) == ["h0", "h1", "h2", "h3"]
+    # Without a reserve normal and low take every slot.
+    policy = Policy(PolicyConfig(high_slot_reserve=0.0))
+    for j in (job("n1", NORMAL, 100, 0.0), job("n2", NORMAL, 100, 0.0), job("l1", LOW, 100, 0.0)):
+        policy.add(j)
+    assert ids(policy.schedule(1.0, Budget(100_000, 0, slots=16, jobs=13)).admit) == ["n1", "n2", "l1"]
+
+
+def test_borrowers_leave_the_reserved_slots_to_high_too():
+    policy = Policy(PolicyConfig(bronze_limit=0.1, high_slot_reserve=0.25))
+    policy.add(job("borrow", NORMAL, 2000, 0.0, tenant="cheap", tier=Tier.BRONZE))  # over its 10%
+    assert policy.schedule(1.0, Budget(10_000, 0, slots=8, jobs=6)).admit == ()  # 2 free, both high's
+    assert ids(policy.schedule(2.0, Budget(10_000, 0, slots=8, jobs=5)).admit) == ["borrow"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(high_slot_reserve=1.0), "high_slot_reserve=1.0"),
+    (dict(high_slot_reserve=-0.1), "high_slot_reserve=-0.1"),
+    (dict(bronze_shed_after_s=0.0), "bronze_shed_after_s=0.0"),
+])
+def test_shedding_and_reserve_knobs_are_validated(changes, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**changes)

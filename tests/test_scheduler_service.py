@@ -16,8 +16,9 @@ import redis as redis_lib
 from kafka import TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
+from kvfleet import registry
 from kvfleet.constants import Keys
-from kvfleet.contracts import JobRequest, JobState, Priority, encode
+from kvfleet.contracts import JobRequest, JobState, Priority, WorkerHeartbeat, encode
 from kvfleet.jobstore import Admit, JobStore
 from kvfleet.kafka import ensure_topics, make_consumer
 from kvfleet.ledger import Ledger
@@ -365,3 +366,22 @@ def test_a_scheduler_evicted_from_its_group_gets_its_partitions_back(make_fleet,
         assert len(admin.describe_groups([group])[group]["members"]) == 1
     finally:
         admin.close()
+
+
+def test_normal_jobs_leave_the_reserved_slots_to_high(make_fleet):
+    # Four slots, half kept for high (KVFLEET_HIGH_SLOT_RESERVE): normal jobs take two.
+    port = free_port()
+    fleet = make_fleet(workers=0, extra_env={"KVFLEET_HIGH_SLOT_RESERVE": "0.5",
+                                             "KVFLEET_SCHEDULER_METRICS_PORT": str(port)})
+    registry.publish(fleet.redis, fleet.keys, WorkerHeartbeat("fake", 10_000, slots=4), ttl_ms=600_000)
+    normal = [submit(fleet, "normal", 100) for _ in range(4)]
+    fleet.wait_for(lambda: consumed(fleet, port) >= 4 and len(admitted(fleet, normal)) == 2, "two normal admitted")
+    high = submit(fleet, "high", 100)
+    fleet.wait_for(lambda: admitted(fleet, [high]), "the high job admitted into a reserved slot")
+    assert len(admitted(fleet, normal)) == 2  # tokens for all, but the other two slots stay high's
+    for j in admitted(fleet, normal):
+        fleet.finish(j)
+    # One slot taken (the high job), three free: one more normal job, the last two kept.
+    fleet.wait_for(lambda: len(admitted(fleet, normal)) == 1, "one more normal admitted")
+    assert sum(fleet.state(j) == "queued" for j in normal) == 1
+    assert Ledger(fleet.redis, fleet.keys).usage().jobs == 2

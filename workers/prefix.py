@@ -96,7 +96,8 @@ class PrefixSharing:
                 else:
                     self._run_and_store(submit, hashes, first_missing=covered, cold_run=(hot, covered))
 
-            source = self.tier.ensure_prefix(hashes, build, first_missing=covered)
+            # present_run stopped at hashes[covered]: the flight need not look again.
+            source = self.tier.ensure_prefix(hashes, build, first_missing=covered, known_missing=True)
             log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes) - covered,
                                              "source": source.value})
             if source is PrefixSource.BUILT:

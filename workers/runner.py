@@ -10,8 +10,9 @@ The runner reads both, takes the lease and marks the job running in one atomic c
 (`JobStore.begin`). The result is written by `JobStore.finish`, which checks that this
 runner still holds the lease and releases it in the same call, so even a runner that
 stalled past its lease cannot write a second result. A run costs the state Redis two
-round trips of its own, begin and finish; `RunWatch` renews the leases of every job
-running here together.
+round trips of its own, begin and finish (the jobs of one message begin together,
+`begin_all`); `RunWatch` (workers/watch.py) renews the leases of every job running
+here together.
 
 Tokens: the scheduler reserved the job's KV tokens in the ledger when it admitted it;
 `begin` moves that reservation to the run lease, `RunWatch` renews both together, and
@@ -30,7 +31,6 @@ every piece of the text in the stream.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -52,13 +52,14 @@ from kvfleet.contracts import (
     Usage,
     request_from_builtins,
 )
-from kvfleet.jobstore import Begun, JobStore
+from kvfleet.jobstore import BeginArgs, Begun, JobStore
 from kvfleet.ledger import Ledger
 from kvstore.lock import Lease
 from workers.drain import HandBack
 from workers.engine import RequestCancelled
 from workers.result_cache import ResultCache, determined
 from workers.streaming import StreamPublisher
+from workers.watch import RunWatch
 
 log = logging.getLogger("kvfleet.worker")
 
@@ -84,91 +85,21 @@ class Tokenizer(Protocol):
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A run begun before its job reached its thread (`JobRunner.begin_all`): the run
+    lease it took (if it took one) and what `JobStore.begin` did."""
+
+    job_id: str
+    lease: Lease
+    begun: Begun
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How one delivery ended; `label` feeds the task-outcome metric."""
 
     label: str  # done | failed | expired | cancelled | duplicate | invalid
     job_id: str | None
-
-
-class RunWatch:
-    """One thread per worker process looking after the jobs it executes right now:
-    it renews their run leases and their ledger reservations, and cancels in the engine
-    any job whose state became `cancelled`. One pipelined round trip per tick covers
-    every running job, so watching costs the same for one job or sixty-four (a thread
-    per job renewing its own lease cost a thread start and a round trip each)."""
-
-    def __init__(self, store: JobStore, ledger: Ledger, cancel: Callable[[str], bool], *,
-                 lease_s: float = constants.RUN_LEASE_S, tick_s: float = 0.2) -> None:
-        self.store = store
-        self.ledger = ledger
-        self.cancel = cancel
-        self.lease_s = lease_s
-        self.tick_s = tick_s  # the longest a cancelled job keeps running, plus one engine step
-        self._jobs: dict[str, Optional[Lease]] = {}  # job id -> its run lease; None once lost
-        self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
-
-    def add(self, job_id: str, lease: Lease) -> None:
-        """Watch a job that starts now under `lease` (its run lease): both it and the
-        job's reservation are renewed from here on (`JobStore.begin` moved the
-        reservation to the run lease already)."""
-        with self._lock:
-            self._jobs[job_id] = lease
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="run-watch", daemon=True)
-                self._thread.start()
-
-    def discard(self, job_id: str) -> None:
-        with self._lock:
-            self._jobs.pop(job_id, None)
-
-    def jobs(self) -> list[str]:
-        with self._lock:
-            return sorted(self._jobs)
-
-    def _loop(self) -> None:
-        renew_every = max(1, int(self.lease_s / 3 / self.tick_s))  # a third of the lease, as the run lease
-        for tick in itertools.count(1):
-            time.sleep(self.tick_s)
-            with self._lock:
-                jobs = sorted(self._jobs)
-            if not jobs:
-                continue
-            try:
-                self._cancel_cancelled(jobs)
-                if tick % renew_every == 0:
-                    self._renew()
-            except redis.RedisError as exc:
-                log.warning("run watch: Redis unavailable", extra={"error": str(exc)})  # next tick retries
-
-    def _cancel_cancelled(self, jobs: list[str]) -> None:
-        for job_id, state in zip(jobs, self.store.states(jobs)):
-            # False while the job is not in the engine yet: the next tick tries again.
-            if state is JobState.CANCELLED and self.cancel(job_id):
-                log.info("cancelling in the engine", extra={"job_id": job_id})
-
-    def _renew(self) -> None:
-        """Every run lease and reservation of the jobs running here, in one round trip."""
-        with self._lock:
-            leases = [(job_id, lease) for job_id, lease in sorted(self._jobs.items()) if lease is not None]
-        with self.store.client.pipeline(transaction=False) as pipe:
-            for job_id, lease in leases:
-                lease.renew(pipe=pipe)
-                self.ledger.renew(job_id, self.lease_s, pipe=pipe)
-            replies = pipe.execute()
-        for (job_id, lease), held, reserved in zip(leases, replies[::2], replies[1::2]):
-            if not held:
-                # Expired and taken over after a stall: renewing would only fail again, and
-                # the job store refuses this run's result (the new holder's stands).
-                log.warning("run lease lost", extra={"job_id": job_id})
-                with self._lock:
-                    if job_id in self._jobs:
-                        self._jobs[job_id] = None
-            if not reserved:
-                # Released (finished, cancelled) since the read, or reclaimed after a stall:
-                # then the scheduler reserves it again when it re-sends the job.
-                log.debug("no reservation to renew", extra={"job_id": job_id})
 
 
 class JobRunner:
@@ -204,7 +135,53 @@ class JobRunner:
         self.result_cache_allowed = result_cache_allowed
         self.watch = RunWatch(store, Ledger(client, store.keys), engine.cancel, lease_s=lease_s)
 
-    def run(self, raw: dict) -> Outcome:
+    def begin_all(self, raws: list[dict]) -> list[Optional[Claim]]:
+        """Begin the runs of a several-job message's jobs in one round trip
+        (`JobStore.begin_many`), before they go to their threads, instead of one round
+        trip each; `run(raw, claim=...)` goes on from there. A job that started is
+        watched from now on, so its leases are renewed while it waits for a thread.
+
+        None for a job whose own `run` claims it as a one-job message's would: one that
+        does not decode, one whose run lease another copy holds (that wait is
+        `_claim`'s), one without a record; all of them while the worker drains, or when
+        Redis fails here (each job then tries on its own)."""
+        claims: list[Optional[Claim]] = [None] * len(raws)
+        if self.draining.is_set():
+            return claims
+        todo: list[tuple[int, JobRequest, Lease]] = []
+        for i, raw in enumerate(raws):
+            try:
+                job = request_from_builtins(raw)
+            except msgspec.ValidationError:
+                continue  # `run` records it as invalid
+            todo.append((i, job, Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)))
+        try:
+            begun = self.store.begin_many([BeginArgs(job.job_id, lease.token, job.deadline) for _, job, lease in todo],
+                                          lease_ms=self.lease_ms, now=self.clock(), worker=self.worker_id,
+                                          reservation_lease_s=self.lease_ms / 1000)
+        except redis.RedisError as exc:
+            log.warning("could not begin a message's jobs together; each begins on its own",
+                        extra={"error": str(exc)})
+            return claims
+        for (i, job, lease), b in zip(todo, begun):
+            if b.outcome == "started":
+                self.watch.add(job.job_id, lease)
+            if b.outcome in ("started", "expired", "terminal"):  # decided: the others wait or retry in `_claim`
+                claims[i] = Claim(job.job_id, lease, b)
+        return claims
+
+    def abandon(self, claim: Claim) -> None:
+        """Give up a run `begin_all` began that will not run here (the worker drains, or
+        its thread could not be had): stop watching it and free its run lease, so the
+        message's redelivery takes the job over at once."""
+        self.watch.discard(claim.job_id)
+        claim.lease.release()
+
+    def run(self, raw: dict, *, delivered_at: Optional[float] = None, claim: Optional[Claim] = None) -> Outcome:
+        """Run one delivered job; `delivered_at`: when its Celery message reached a task
+        thread (the "done" log line gives each hop of the job's time from there);
+        `claim`: its run, begun already by `begin_all`."""
+        picked_at = self.clock()
         try:
             job = request_from_builtins(raw)
         except msgspec.ValidationError as exc:
@@ -216,15 +193,21 @@ class JobRunner:
                                 now=self.clock())
             return Outcome("invalid", job_id if isinstance(job_id, str) else None)
         if self.draining.is_set():
+            if claim is not None:  # begun a moment ago: give the run up, as a drain does
+                self.abandon(claim)
             raise HandBack(f"worker {self.worker_id} is draining; job {job.job_id} goes back to its queue")
-        lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)
-        begun = self._claim(job, lease)
+        if claim is None:
+            lease = Lease(self.client, self.store.keys.run_lease(job.job_id), self.lease_ms)
+            begun = self._claim(job, lease)
+        else:
+            lease, begun = claim.lease, (None if claim.begun.outcome == "terminal" else claim.begun)
         if begun is None:
             log.info("duplicate delivery; another copy finished or runs the job", extra={"job_id": job.job_id})
             return Outcome("duplicate", job.job_id)
         finished = False
+        at = {"delivered": delivered_at or picked_at, "picked": picked_at, "begun": self.clock()}
         try:
-            outcome = self._execute(job, lease, begun)
+            outcome = self._execute(job, lease, begun, at)
             finished = outcome.label == "done"  # its `finish` released the lease with the result
             return outcome
         finally:
@@ -266,7 +249,7 @@ class JobRunner:
             # its lease expires (within one lease), after which we take over.
             time.sleep(self.poll_s)
 
-    def _execute(self, job: JobRequest, lease: Lease, begun: Begun) -> Outcome:
+    def _execute(self, job: JobRequest, lease: Lease, begun: Begun, at: dict[str, Optional[float]]) -> Outcome:
         if begun.outcome == "expired":
             now = self.clock()
             self.store.fail(job.job_id, JobState.EXPIRED, "deadline_passed",
@@ -325,9 +308,13 @@ class JobRunner:
             # terminal: the other copy's result stands; ours is dropped, not doubled.
             log.warning("result not written", extra={"job_id": job.job_id, "state": written.previous})
             return Outcome("duplicate", job.job_id)
+        at.update(engine_in=completion.submitted_at, engine_started=completion.started_at,
+                  first_token=completion.first_token_at, engine_finished=completion.finished_at, stored=self.clock())
         log.info("done", extra={"job_id": job.job_id, "completion_tokens": len(completion.tokens),
                                 "cached_tokens": completion.cached_tokens,
-                                "seconds": round(completion.finished_at - completion.started_at, 3)})
+                                "seconds": round(completion.finished_at - completion.started_at, 3),
+                                # Unix seconds of each hop here (bench/fleet_jobs.py `hops`).
+                                "at": at})
         return Outcome("done", job.job_id)
 
     def _begin_stream(self, job: JobRequest, attempt: int) -> Optional[Callable[[int], None]]:

@@ -3,8 +3,9 @@
 Two task names, one per message shape (scheduler/dispatch.py `pack`): `run_job` carries
 one job, as every scheduler has sent it; `run_jobs` carries several, which run side by
 side — the task thread runs the first, a per-process pool the others — so that the
-engine batches them as it would batch jobs of separate messages. The task bodies are
-thin shells around `JobRunner.run`; the runner (built once per process by
+engine batches them as it would batch jobs of separate messages; their runs begin in one
+round trip before they part (`JobRunner.begin_all`). The task bodies are thin shells
+around `JobRunner.run`; the runner (built once per process by
 `workers.service`) owns the engine, the job store and the lease logic, and makes every
 job of a message exactly-once on its own.
 
@@ -18,7 +19,9 @@ redelivery finds each job finished (a no-op), running elsewhere, or free to take
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
 
 from celery import Celery
 from celery.exceptions import Reject
@@ -26,7 +29,7 @@ from prometheus_client import Counter
 
 from kvfleet import constants
 from workers.drain import HandBack
-from workers.runner import FaultedRun, JobRunner
+from workers.runner import Claim, FaultedRun, JobRunner
 
 TASKS = Counter("kvfleet_worker_tasks", "Jobs delivered in Celery tasks, by outcome", ["outcome"])
 
@@ -37,9 +40,9 @@ def register(app: Celery, runner: JobRunner, *, threads: int) -> None:
     # Threads start as jobs need them, and a thread per job would cost a start each.
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="job")
 
-    def run_one(raw: dict) -> str:
+    def run_one(raw: dict, delivered_at: float, claim: Optional[Claim] = None) -> str:
         try:
-            outcome = runner.run(raw)
+            outcome = runner.run(raw, delivered_at=delivered_at, claim=claim)
         except HandBack as exc:
             TASKS.labels("faulted" if isinstance(exc, FaultedRun) else "handed_back").inc()
             raise
@@ -49,7 +52,7 @@ def register(app: Celery, runner: JobRunner, *, threads: int) -> None:
     @app.task(name=constants.CELERY_TASK_NAME, acks_late=True, ignore_result=True)
     def run_job(raw: dict) -> str:
         try:
-            return run_one(raw)
+            return run_one(raw, time.time())
         except HandBack as exc:
             # The worker drains (workers/drain.py), or an engine fault ended the run: the
             # broker puts the message back on its queue now, for another worker (or
@@ -60,10 +63,22 @@ def register(app: Celery, runner: JobRunner, *, threads: int) -> None:
     def run_jobs(raws: list[dict]) -> list[str]:
         if not raws:
             return []
-        others: list[Future[str]] = [pool.submit(run_one, raw) for raw in raws[1:]]
+        delivered_at = time.time()
+        claims = runner.begin_all(raws)  # one round trip for every job's `begin`
+        others: list[Future[str]] = []
+        try:
+            for raw, claim in zip(raws[1:], claims[1:]):
+                others.append(pool.submit(run_one, raw, delivered_at, claim))
+        except RuntimeError:
+            # The pool is shut down (the process exits): the jobs not given to a thread
+            # give their runs up; the message stays unacknowledged and comes back.
+            for claim in [claims[0], *claims[1 + len(others):]]:
+                if claim is not None:
+                    runner.abandon(claim)
+            raise
         outcomes: list[str | BaseException] = []
         try:
-            outcomes.append(run_one(raws[0]))
+            outcomes.append(run_one(raws[0], delivered_at, claims[0]))
         except Exception as exc:  # noqa: BLE001 - decided below, once every job has ended
             outcomes.append(exc)
         for future in others:

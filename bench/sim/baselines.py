@@ -29,7 +29,7 @@ class _HeadOfLine(Policy):
             admitted.append(job)
         return admitted, None
 
-    def _shed(self, now: float) -> tuple[Verdict, ...]:
+    def _shed(self, now: float, room: Room) -> tuple[Verdict, ...]:
         return ()
 
     def _reserves(self, capacity: int) -> dict[str, int]:

@@ -159,7 +159,7 @@ class StepLoop:
         return Completion(text=text, tokens=seq.completion_token_ids, finish_reason=reason,
                           prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
                           started_at=seq.started_at, first_token_at=seq.first_token_at,
-                          finished_at=seq.finished_at)
+                          finished_at=seq.finished_at, submitted_at=seq.submitted_at)
 
     def _fail_in_flight(self, cause: Exception) -> None:
         """Every request the scheduler has taken, wherever the failed step left it."""
