@@ -255,13 +255,19 @@ def _drain_at_one_job_a_second(policy: Policy, until: float) -> None:
         assert len(admitted.admit) == 1 and admitted.shed == ()
 
 
-def test_bronze_is_shed_only_once_it_cannot_start_before_its_deadline():
-    # 100 silver jobs ahead, 1,000 tokens each, and one bronze job behind them whose
-    # deadline is 90 s away: at 1,000 tokens/s it would start at about 101 s.
+def _bronze_behind_a_hundred_silver(deadline: float) -> Policy:
+    """100 silver jobs, 1,000 tokens each, and one bronze job behind them: at 1,000
+    tokens/s it would start at about 101 s."""
     policy = Policy()
     for i in range(100):
         policy.add(job(f"s{i:03d}", NORMAL, 1000, 0.0))
-    policy.add(job("bronze", NORMAL, 1000, 0.5, tenant="cheap", tier=Tier.BRONZE, deadline=90.0))
+    policy.add(job("bronze", NORMAL, 1000, 0.5, tenant="cheap", tier=Tier.BRONZE, deadline=deadline))
+    return policy
+
+
+def test_bronze_is_shed_only_once_it_cannot_start_before_its_deadline():
+    # The bronze job's deadline is 90 s away: it cannot start in time.
+    policy = _bronze_behind_a_hundred_silver(90.0)
     # Until a whole window (30 s) of backlog was seen there is no rate: nothing is shed,
     # though the job has waited past the old fixed 30 s.
     _drain_at_one_job_a_second(policy, 29.0)
@@ -274,10 +280,7 @@ def test_bronze_is_shed_only_once_it_cannot_start_before_its_deadline():
 
 def test_bronze_that_can_still_start_in_time_waits_however_long():
     # The same queue with the deadline at 200 s: it waits ~100 s, is never shed, and runs.
-    policy = Policy()
-    for i in range(100):
-        policy.add(job(f"s{i:03d}", NORMAL, 1000, 0.0))
-    policy.add(job("bronze", NORMAL, 1000, 0.5, tenant="cheap", tier=Tier.BRONZE, deadline=200.0))
+    policy = _bronze_behind_a_hundred_silver(200.0)
     _drain_at_one_job_a_second(policy, 99.0)
     assert ids(policy.schedule(100.0, Budget(10_000, 9_000)).admit) == ["bronze"]
     # `bronze_shed_after_s` set: the fixed bound sheds it whatever its deadline.
