@@ -86,10 +86,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     group = hq // hkv
     ctxs = batch.context_lens.tolist()
     n_blocks = [(ctx + bs - 1) // bs for ctx in ctxs]
-    # Every sequence's block ids as one flat tensor, then one view per sequence.
+    # Each sequence's block ids as a view of its table row (unbind: one op for all rows;
+    # a boolean mask and a split cost more than the views at small batches).
     tables = batch.block_tables.long()  # (B, max_blocks)
-    used = torch.arange(tables.shape[1], device=q.device) < torch.tensor(n_blocks, device=q.device)[:, None]
-    blocks = tables[used].split(n_blocks)  # (sum n_blocks,) -> [(n_blocks,)]
+    blocks = [row[:n] for row, n in zip(tables.unbind(0), n_blocks)]  # [(n_blocks,)]
     # The scale folded into q once: (B, Hq, D) -> (B, Hkv, G, D), the heads that share a KV head together.
     qg = (q.float() * scale).view(-1, hkv, group, d)
     out = torch.empty(qg.shape, dtype=torch.float32, device=q.device)  # (B, Hkv, G, D)
