@@ -380,7 +380,12 @@ def test_ensure_prefix_prefills_once_across_workers(make_tier, cache_client, pre
             # Stored only once the five others wait on it: none of them finds it done already.
             key = Keys(prefix).lock(f"prefix:{tier.namespace}:{HASHES[0]}")  # the first missing block
             wait_until(lambda: cache_client.pubsub_numsub(key)[0][1] == 5, "the others wait")
-            store(make_tier(builder_pool), HASHES[:3], [0, 1, 2])
+            # Through a tier of its own, so the first block (the flight's marker) goes last
+            # by hand, as ColdTier.write orders the blocks of a prefix its own tier
+            # builds: a waiter that polls mid-write must not find the marker early.
+            builder = make_tier(builder_pool)
+            store(builder, HASHES[1:3], [1, 2])
+            store(builder, HASHES[:1], [0])
 
         source = tier.ensure_prefix(HASHES[:3], prefill)
         if source is PrefixSource.COLD:
