@@ -349,7 +349,10 @@ class Policy:
                 return (borrowing, 0, 0, job.enqueued_at, job.job_id)
             return (borrowing, 1, job.priority.rank, job.enqueued_at, job.job_id)
 
-        queue = sorted((j for b in self._buffer.values() for j in b), key=order)
+        buffered = [j for b in self._buffer.values() for j in b]
+        if not any(j.tier is Tier.BRONZE and j.deadline is not None for j in buffered):
+            return {}  # the common case: nothing to shed, so no sort on every call
+        queue = sorted(buffered, key=order)
         late: dict[str, tuple[PendingJob, int]] = {}
         for job, before in zip(queue, itertools.accumulate((j.cost for j in queue), initial=0)):
             if job.tier is not Tier.BRONZE or job.deadline is None:
