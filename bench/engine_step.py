@@ -10,7 +10,10 @@ tokens), run through `ModelRunner.run` as the engine runs it, timed in CPU secon
 time), min and median of `--reps`, interleaved with the same step whose attention and
 K/V store are replaced by no-ops, and with the model's linear layers alone on (B, in)
 inputs. So: step = linear + attention (the step minus its stubbed twin) + the rest
-(norms, rotary, sampling, building the batch, Python). Then HF generate() at B = 32 on
+(norms, rotary, sampling, building the batch, Python). Attention's K/V bytes (every
+layer reads each sequence's whole context once) over its time give the rate it reads
+them at, beside the memory ceiling: a 256 MiB copy measured in the same run
+(bench/bandwidth.py). Then HF generate() at B = 32 on
 the static benchmark's first batch of 32 left-padded prompts: its per-step time after
 the prefill, in CPU seconds, ((1 + n tokens) - (1 token)) / n.
 
@@ -33,6 +36,7 @@ if not __package__:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.bandwidth import copy_gbps  # noqa: E402
 from kernels import ops  # noqa: E402
 from kvfleet.contracts import Sampling  # noqa: E402
 from workers.engine.model_runner import ModelRunner  # noqa: E402
@@ -87,10 +91,27 @@ def engine_rows(loaded: LoadedModel, kernels: ops.Kernels, batches: list[int], r
                 for name, fn in fns.items():
                     times[name] += cpu_ms(fn, 1)
         best = {k: min(v) for k, v in times.items()}
+        attention_ms = best["step"] - best["stubbed"]
         rows.append({"batch": b, "step_min_ms": best["step"], "step_median_ms": statistics.median(times["step"]),
-                     "linear_ms": best["linear"], "attention_store_ms": best["step"] - best["stubbed"],
-                     "rest_ms": best["stubbed"] - best["linear"]})
+                     "linear_ms": best["linear"], "attention_store_ms": attention_ms,
+                     "rest_ms": best["stubbed"] - best["linear"],
+                     "kv_read_gbps": kv_bytes(loaded, batch) / attention_ms / 1e6 if attention_ms > 0 else None})
     return rows
+
+
+def kv_bytes(loaded: LoadedModel, batch: ScheduledBatch) -> int:
+    """The K and V bytes a decode step's attention reads: every layer, each sequence's context."""
+    c = loaded.model.config
+    per_token = 2 * c.num_key_value_heads * c.head_dim * torch.finfo(loaded.dtype).bits // 8  # K and V, one layer
+    return sum(seq.num_computed_tokens + 1 for seq in batch.seqs) * per_token * c.num_hidden_layers
+
+
+def ceiling_gbps(reps: int = 5) -> float:
+    """The CPU's memory ceiling, a large copy (read + write), best of `reps`."""
+    def time_ms(fn) -> float:
+        fn()
+        return min(cpu_ms(fn, 1)[0] for _ in range(reps))
+    return copy_gbps("cpu", time_ms)
 
 
 def hf_step_ms(loaded: LoadedModel, reps: int) -> dict:
@@ -129,10 +150,12 @@ def main() -> None:
     kernels = ops.select(args.kernels, args.attention)
     print(f"decode step, builtin:bench float32, 1 thread, {kernels.backend}/{kernels.attention}; CPU ms, "
           f"min of {args.reps} (step also median)")
-    print(f"{'B':>4}{'step min':>10}{'median':>9}{'linear':>9}{'attn+store':>12}{'rest':>8}")
+    print(f"{'B':>4}{'step min':>10}{'median':>9}{'linear':>9}{'attn+store':>12}{'rest':>8}{'K/V GB/s':>10}")
     for r in engine_rows(loaded, kernels, args.batches, args.reps):
+        gbps = f"{r['kv_read_gbps']:.1f}" if r["kv_read_gbps"] is not None else "-"
         print(f"{r['batch']:>4}{r['step_min_ms']:>10.2f}{r['step_median_ms']:>9.2f}{r['linear_ms']:>9.2f}"
-              f"{r['attention_store_ms']:>12.2f}{r['rest_ms']:>8.2f}")
+              f"{r['attention_store_ms']:>12.2f}{r['rest_ms']:>8.2f}{gbps:>10}")
+    print(f"memory ceiling: a 256 MiB copy reads + writes {ceiling_gbps():.1f} GB/s on this CPU")
     if not args.no_hf:
         hf = hf_step_ms(loaded, args.reps)
         print(f"HF generate(), B={hf['batch']}, prompts padded to {hf['prompt_width']}: prefill + 1 token "

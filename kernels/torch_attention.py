@@ -75,8 +75,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
            scale: float, *, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """contract.PagedAttention for a batch of one query row per sequence (B = T), at its last position.
 
-    What a sequence costs here is mostly per-op overhead and the copy of its context out
-    of the pool, so the loop body is kept to the few ops that need its own sizes: the
+    What a sequence costs here is mostly per-op overhead and reading its context (the
+    copy itself is cheap: reading runs of blocks in place measured no faster in the
+    engine, docs/engine.md), so the loop body is kept to the few ops that need its own sizes: the
     conversions, the scale and the table slicing are done once for the batch, and
     `index_select` gathers the blocks (a plain copy of whole blocks; advanced indexing,
     `k_cache[blocks]`, is about three times slower on the CPU).
