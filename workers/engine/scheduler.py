@@ -135,7 +135,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or not which(seq):
                 continue  # preempted earlier in this step, or the other pass's
             wanted = seq.num_uncomputed_tokens
-            prefill = not seq.is_decoding  # read before the step changes it
+            prefill = not seq.is_decoding  # a prompt's chunk or a recomputation: within the prefill budget
             drafts = self._propose(seq, step.budget - wanted)
             n = step.grant(wanted + len(drafts), prefill=prefill)
             if n == 0:
