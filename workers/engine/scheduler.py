@@ -139,7 +139,7 @@ class Scheduler:
             drafts = self._propose(seq, step.budget - wanted)
             n = step.grant(wanted + len(drafts), prefill=prefill)
             if n == 0:
-                continue  # the guard holds this lower-class sequence back for a step
+                continue  # held back a step: by the guard (a lower class) or the prefill bound
             if not self._make_room(seq):
                 step.refund(n)
                 step.preempted = True
