@@ -5,8 +5,9 @@ replayed through the simulator (bench/sim/simulator.py) with a virtual clock.
 
 Fleet: 4 workers × 32k KV tokens, 16 task threads each, each running its engine's
 continuous batch step by step, a step taking a + b·n_tokens (bench/sim/simulator.py
-`BatchService`: a job's time grows with the batch it shares; chunked prefill and the
-engine's priority guard as in workers/engine/scheduler.py; a and b of builtin:bench on
+`BatchService`: a job's time grows with the batch it shares; chunked prefill, the
+stall-free decodes' bound on prompts beside decodes and the engine's priority guard as
+in workers/engine/scheduler.py; a and b of builtin:bench on
 one CPU thread). Workload: 10% high / 50% normal /
 40% low jobs, prompts from 32 tokens to near the 8k context limit. Tenants and their
 quotas (fractions of the fleet): gold-co 0.3 (gold, reserve 0.3), silver-a 0.3,

@@ -444,6 +444,16 @@ class EngineConfig:
     #: an online request's steps at most 25% slower while a batch runs; on a GPU, where
     #: a decode token costs almost nothing, that is nearly no limit. `inf`: no guard.
     priority_step_slack: float = knob(0.25, "PRIORITY_STEP_SLACK", float, lo=0)
+    #: Stall-free decodes: while sequences are decoding, the prefill chunks beside them
+    #: (new prompts, the rest of long ones) take only the tokens that keep the step
+    #: within this much of the decodes' work alone (predicted as for the guard above),
+    #: at least one. Every decode waits the whole step for its one token, so this bounds
+    #: its time per token while prompts arrive; the prompts are spread over more steps.
+    #: 8: a step at most 9x its decodes alone, about 40 prefill tokens beside one decode
+    #: and 160 beside 16 at builtin:bench's CPU cost (a = 3 ms, b = 0.78 ms a token), the
+    #: best of bench/scheduler.py's sweep (docs/benchmarks.md); on a GPU, where a token
+    #: costs almost nothing, nearly no limit. `inf`: prefills take the whole budget.
+    decode_step_slack: float = knob(8.0, "DECODE_STEP_SLACK", float, lo=0)
     #: Speculative decoding (workers/engine/spec.py) for requests whose
     #: `Sampling.speculative` is None: prompt-lookup drafts verified in one forward. The
     #: same output (greedy exactly, sampling in distribution), faster when the output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -88,6 +89,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_step_budget():
     # 600 prompt tokens: chunks of 256, 256 and 88 (the last samples the first token), then 9 decodes.
     expected = 2 * (0.01 + 0.256) + (0.01 + 0.088) + 9 * 0.011
     assert _finished([_batch_job(0, prompt=600, new=10)], service)["b0"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_prompts_beside_decodes_take_only_the_decode_step_slack():
+    """The engine's stall-free decodes: while a job decodes, a prompt beside it takes the
+    tokens that keep the step within `decode_step_slack` of the decode alone."""
+    b = 1 / 1024  # a binary fraction: every step time below adds up exactly
+    # a = 9b: one decode alone takes 10b, slack 1.0 lets 10 prompt tokens beside it.
+    service = BatchService(a_s=9 * b, b_s_per_token=b, workers=1, decode_step_slack=1.0)
+    decoder = _batch_job(0, prompt=1, new=30)
+    prompt = _batch_job(1, prompt=600, new=1, t=0.001)  # admitted at the tick after the decoder's 2nd step
+    done = _finished([decoder, prompt], service)
+    # Two steps of 10b; then 28 of 20b (its decode, 10 of the prompt); then the prompt's
+    # last 320 tokens alone, a step of 9b + 320b.
+    assert done["b0"] == pytest.approx(20 * b + 28 * 20 * b, abs=1e-12)
+    assert done["b1"] == pytest.approx(done["b0"] + 329 * b, abs=1e-12)
+    # Without it the whole prompt goes into one step, 610b, that the decode waits for.
+    free = _finished([decoder, prompt], dataclasses.replace(service, decode_step_slack=math.inf))
+    assert free["b1"] == pytest.approx(20 * b + 610 * b, abs=1e-12)
+    assert free["b0"] == pytest.approx(free["b1"] + 27 * 10 * b, abs=1e-12)
 
 
 def test_the_priority_guard_holds_lower_classes_back_while_high_runs():

@@ -5,11 +5,13 @@ finishes. How long it runs is the service model's:
 - `BatchService` (the benchmark's): each worker runs its engine's continuous batch,
   step by step as workers/engine/scheduler.py builds them: one token for every
   decoding job, a chunk of every prompt still prefilling, within the step's token
-  budget, and the priority guard's allowance for the classes below the best one
-  present. A step of n tokens takes t(n) = a + b·n seconds (the engine's own step-cost
-  model, workers/engine/step_cost.py). So a job's time grows with the batch it shares:
-  every co-running job adds b to each of its steps, and every prompt that joins its
-  worker stalls it for b·prompt_tokens, unless the guard holds that work back.
+  budget, the prompts' chunks within the decode-step slack while jobs decode, and the
+  priority guard's allowance for the classes below the best one present. A step of n
+  tokens takes t(n) = a + b·n seconds (the engine's own step-cost model,
+  workers/engine/step_cost.py). So a job's time grows with the batch it shares: every
+  co-running job adds b to each of its steps, and every prompt that joins its worker
+  adds b·prompt_tokens to its steps, spread over as many as the slack asks, unless the
+  guard holds that work back.
 - `ServiceModel`: a fixed time per job (a floor plus time per prompt and per generated
   token), whatever else runs; the policy tests use it for exact timings.
 Each priority topic has one partition per tenant (Kafka keys by tenant), read
@@ -58,12 +60,14 @@ class BatchService:
 
     What the engine does with a step (workers/engine/scheduler.py) is modelled: prompts
     are prefilled in chunks of the step's `max_num_batched_tokens`, decoding sequences
-    take one token a step, and the priority guard holds lower classes back while a
+    take one token a step, while any decodes the prompts' chunks together take the
+    tokens that keep the step within `decode_step_slack` of the decodes alone (at least
+    one), and the priority guard holds lower classes back while a
     better class is in the engine: they share an allowance of the tokens that keep the
     step within `priority_step_slack` of the best class's work alone (at least one a
     step). Not modelled: preemption (the engine's block pool is never short here: the
     ledger's budget keeps a worker's jobs within its KV), the prefix cache, and the
-    StepCost fit's warm-up (the guard uses the true a and b from the first step).
+    StepCost fit's warm-up (the guard and the slack use the true a and b from the first step).
     Admitted jobs wait in one Celery queue, high first, for a free thread of any worker."""
 
     #: Defaults: builtin:bench on one CPU thread, from bench/results/engine.json's
@@ -79,6 +83,7 @@ class BatchService:
     #: The engine's knobs, at their defaults (kvfleet/settings.py EngineConfig).
     priority_step_slack: float = _ENGINE.priority_step_slack
     max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
+    decode_step_slack: float = _ENGINE.decode_step_slack
 
     def step_s(self, tokens: int) -> float:
         return self.a_s + self.b_s_per_token * tokens
@@ -271,11 +276,13 @@ class _Worker:
         served first; then, while it is there, the lower classes share an allowance of
         the tokens that keep the step within `priority_step_slack` of the best class's
         work alone (StepCost.extra_tokens, with the service's a and b as the fit), at
-        least one, handed out in service order; everything within the step's
+        least one, handed out in service order; the prompts' chunks within the prefill
+        budget (`_prefill_budget`); everything within the step's
         `max_num_batched_tokens` (a long prompt is prefilled in chunks)."""
         s = self.service
         top = self.running[0].key[0]
         budget = s.max_num_batched_tokens
+        prefill = self._prefill_budget()
         grants = []
         allowance: Optional[int] = None
         for seq in self.running:
@@ -283,12 +290,27 @@ class _Worker:
                 alone = max(s.step_s(s.max_num_batched_tokens - budget), s.b_s_per_token)
                 allowance = max(1, int(s.priority_step_slack * alone / s.b_s_per_token))
             n = min(seq.wanted, budget)
+            if seq.prompt_left:
+                n = min(n, prefill)
             if allowance is not None:
                 n = min(n, allowance)
                 allowance -= n
+            if seq.prompt_left:
+                prefill -= n
             budget -= n
             grants.append(n)
         return grants
+
+    def _prefill_budget(self) -> int:
+        """The engine's stall-free decodes: while sequences decode, the prompts' chunks
+        together take the tokens that keep the step within `decode_step_slack` of the
+        decodes alone (StepCost.extra_tokens), at least one; else the whole budget."""
+        s = self.service
+        decoding = sum(not seq.prompt_left for seq in self.running)
+        if not decoding or math.isinf(s.decode_step_slack) or s.b_s_per_token <= 0:
+            return s.max_num_batched_tokens
+        extra = max(1, int(s.decode_step_slack * s.step_s(decoding) / s.b_s_per_token))
+        return min(extra, s.max_num_batched_tokens)
 
     def advance(self, to: float) -> list[tuple[PendingJob, float]]:
         """Run the engine's steps that start before `to`; the jobs finished by `to`, with when."""

@@ -85,7 +85,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, bs, loaded_model.fingerprint, hooks)
         scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens, eos_token_ids=frozenset(eos),
-                              priority_step_slack=config.priority_step_slack)
+                              priority_step_slack=config.priority_step_slack,
+                              decode_step_slack=config.decode_step_slack)
         self._runner = ModelRunner(loaded_model, num_blocks, bs, self.kernels, kv_cache_dtype=config.kv_cache_dtype)
         self._inbox = Inbox()
         self._loop = StepLoop(self._inbox, scheduler, self._runner, loaded_model.tokenizer)

@@ -6,6 +6,16 @@ still in progress takes what is left of its prompt, up to the budget (chunked pr
 Then waiting sequences are admitted in the same order while blocks, sequence slots and
 budget allow, so prefills and decodes share one step (a mixed batch).
 
+Stall-free decodes: while sequences are decoding, a step's prefill chunks together (new
+prompts, the rest of a prompt, a preempted sequence's recomputation) take only as many
+tokens as keep the step within `decode_step_slack` of the decodes' work alone (StepCost),
+and never fewer than one. Every decoding sequence waits the whole step for its one token,
+so the prefill beside it sets its time per output token; held to a bound, a burst of long
+prompts is spread over many steps instead of stalling every decode for whole-budget
+chunks (Sarathi-Serve's stall-free batching, with a time budget instead of a token one:
+on a GPU, where a token costs almost nothing, it is no limit). With nothing decoding, or
+no fit yet, prefills take the whole budget.
+
 When a decoding sequence needs a new block and none is free, the sequence last in
 service order (lowest priority, newest) is preempted: its blocks are released and it
 goes back to waiting with its tokens, to be recomputed later. Its full blocks stay in
@@ -60,10 +70,12 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         priority_step_slack: float = float("inf"),
         step_cost: StepCost | None = None,
+        decode_step_slack: float = float("inf"),
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_step_slack = decode_step_slack
         self.eos_token_ids = eos_token_ids
         self.priority_step_slack = priority_step_slack
         #: Fed by the step loop with every step's tokens and seconds.
@@ -89,7 +101,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         self._preempt_for_waiting()
         top = self._top_rank()
-        step = _Step(self.max_num_batched_tokens)
+        step = _Step(self.max_num_batched_tokens, self._prefill_budget())
         self._schedule_running(step, lambda seq: seq.priority_rank <= top)
         self._admit_waiting(step, max_rank=top)
         if self._has_lower(top):
@@ -99,6 +111,13 @@ class Scheduler:
         if step.held_back:
             self.guarded_steps += 1
         return ScheduledBatch(step.seqs, step.counts, step.drafts)
+
+    def _prefill_budget(self) -> int:
+        """Prefill tokens the next step may compute: while sequences decode, those that
+        keep the step within `decode_step_slack` of their tokens alone."""
+        decoding = sum(seq.is_decoding for seq in self.running)
+        extra = self.step_cost.extra_tokens(decoding, self.decode_step_slack) if decoding else None
+        return self.max_num_batched_tokens if extra is None else min(extra, self.max_num_batched_tokens)
 
     def _top_rank(self) -> int:
         """The best class with work: it sets the pace of the step."""
@@ -116,10 +135,11 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or not which(seq):
                 continue  # preempted earlier in this step, or the other pass's
             wanted = seq.num_uncomputed_tokens
+            prefill = not seq.is_decoding  # a prompt's chunk or a recomputation: within the prefill budget
             drafts = self._propose(seq, step.budget - wanted)
-            n = step.grant(wanted + len(drafts))
+            n = step.grant(wanted + len(drafts), prefill=prefill)
             if n == 0:
-                continue  # the guard holds this lower-class sequence back for a step
+                continue  # held back a step: by the guard (a lower class) or the prefill bound
             if not self._make_room(seq):
                 step.refund(n)
                 step.preempted = True
@@ -131,7 +151,7 @@ class Scheduler:
                 self.block_manager.may_append(seq, len(drafts))
             used = min(n, wanted) + len(drafts)
             step.refund(n - used)
-            step.add(seq, used, drafts)
+            step.add(seq, used, drafts, prefill=prefill)
 
     def _admit_waiting(self, step: "_Step", max_rank: int | None) -> None:
         # No admissions after a preemption: blocks are short, and a new prompt would
@@ -142,14 +162,14 @@ class Scheduler:
                 return
             if not self.block_manager.can_allocate(seq):
                 return  # head of line waits: admitting smaller ones behind it would starve it
-            n = step.grant(seq.num_uncomputed_tokens)
+            n = step.grant(seq.num_uncomputed_tokens, prefill=True)
             if n == 0:
                 return
             self._admit(seq)
             # Admission may have found cached blocks: the chunk is what is left to compute.
             used = min(n, seq.num_uncomputed_tokens)
             step.refund(n - used)
-            step.add(seq, used)
+            step.add(seq, used, prefill=True)
 
     def _preempt_for_waiting(self) -> None:
         """While the head of the waiting list outranks the back of the running list and
@@ -268,23 +288,25 @@ class Scheduler:
 
 class _Step:
     """One step being assembled: its sequences, their tokens, and what is left of the
-    step's token budget and of the lower classes' allowance (None: no allowance set)."""
+    step's token budget, of its prefill budget, and of the lower classes' allowance
+    (None: no allowance set)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, prefill_budget: int) -> None:
         self.seqs: list[Sequence] = []
         self.counts: list[int] = []
         self.drafts: list[list[int]] = []
         self.budget = budget
+        self.prefill_budget = prefill_budget
         self.num_tokens = 0
         self.lower_allowance: int | None = None
         self.preempted = False
         self.held_back = False
 
-    def grant(self, wanted: int) -> int:
+    def grant(self, wanted: int, *, prefill: bool = False) -> int:
         """Tokens a sequence that wants `wanted` may compute in this step (0: none):
-        bounded by the step's budget and, once set, taken from the lower classes'
-        allowance. `add` spends the budget."""
-        n = min(wanted, self.budget)
+        bounded by the step's budget, a prefill's also by the prefill budget, and, once
+        set, taken from the lower classes' allowance. `add` spends the budgets."""
+        n = min(wanted, self.budget, self.prefill_budget if prefill else wanted)
         if self.lower_allowance is not None:
             if self.lower_allowance < n:
                 self.held_back = True
@@ -297,9 +319,11 @@ class _Step:
         if self.lower_allowance is not None:
             self.lower_allowance += n
 
-    def add(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
+    def add(self, seq: Sequence, n: int, drafts: list[int] | None = None, *, prefill: bool = False) -> None:
         self.seqs.append(seq)
         self.counts.append(n)
         self.drafts.append(drafts or [])
         self.budget -= n
+        if prefill:
+            self.prefill_budget -= n
         self.num_tokens += n

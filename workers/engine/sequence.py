@@ -98,6 +98,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def is_decoding(self) -> bool:
+        """Past its prompt with K/V for all but its last token: a step computes one
+        token of its own (a prefill, or the recomputation after a preemption, computes more)."""
+        return self.num_completion_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
