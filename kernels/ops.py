@@ -7,16 +7,21 @@ The choice is made once, by whoever builds the engine (EngineConfig.kernels and
     backend "auto"    Triton where it can run: on CUDA tensors when triton imports and
                       a GPU is present, or on any tensor when TRITON_INTERPRET=1; the
                       torch reference for everything else (e.g. CPU tensors of the
-                      cold tier on a GPU machine).
+                      cold tier on a GPU machine). Without Triton (a CPU machine):
+                      "native" where its C kernel builds, else "torch".
     backend "triton"  Triton for every call; ValueError now if it cannot run.
-    backend "torch"   The torch reference for every call.
+    backend "native"  "torch", with decode attention in C (kernels/native.py): fp32
+                      CPU pools; ValueError now if the kernel cannot be built.
+    backend "torch"   The torch reference for every call (its attention through
+                      kernels/torch_attention.py's faster paths).
 
     attention "paged" the backend's paged attention.
     attention "sdpa"  gather K/V into contiguous memory and call torch's
                       scaled_dot_product_attention (kernels.gather_sdpa), on any backend.
 
-TRITON_INTERPRET is Triton's own switch (its jit decorator reads it); it is the only
-environment variable this package reads.
+TRITON_INTERPRET is Triton's own switch (its jit decorator reads it). The only other
+environment this package reads is where kernels/native.py keeps its built library
+(KVFLEET_HOME, as everything kvfleet builds or downloads, and CC, the compiler).
 """
 
 from __future__ import annotations
@@ -28,16 +33,16 @@ from typing import Callable
 
 import torch
 
-from kernels import gather_sdpa, reference, torch_attention
+from kernels import gather_sdpa, native, reference, torch_attention
 from kernels.contract import DequantizeInt8, PagedAttention, QuantizeInt8, StoreKVCache
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "native", "torch")
 ATTENTIONS = ("paged", "sdpa")
 
 
 @dataclass(frozen=True)
 class Kernels:
-    #: What runs: "triton" or "torch" (under "auto", CPU tensors still use torch).
+    #: What runs: "triton", "native" or "torch" (under "auto" on a GPU, CPU tensors use torch).
     backend: str
     #: "paged" or "sdpa".
     attention: str
@@ -48,7 +53,7 @@ class Kernels:
 
 
 def select(backend: str, attention: str) -> Kernels:
-    """The kernels for `backend` ("auto", "triton", "torch") and `attention` ("paged", "sdpa").
+    """The kernels for `backend` ("auto", "triton", "native", "torch") and `attention` ("paged", "sdpa").
 
     ValueError for an unknown name, or for "triton" where Triton cannot run.
     """
@@ -71,16 +76,25 @@ _TORCH = (
 )
 
 
+_NATIVE = (reference.store_kvcache, native.paged_attention, reference.quantize_int8, reference.dequantize_int8)
+
+
 def _backend(name: str) -> tuple[str, tuple[Callable, ...]]:
     if name == "torch":
         return "torch", _TORCH
+    if name == "native":
+        try:
+            native.build()
+        except RuntimeError as exc:
+            raise ValueError(f"kernel backend 'native' cannot run here: {exc}") from exc
+        return "native", _NATIVE
     why = _triton_unavailable()
     if name == "triton":
         if why:
             raise ValueError(f"kernel backend 'triton' cannot run here: {why}; use auto or torch (KVFLEET_KERNELS)")
         return "triton", _triton()
-    if why:  # auto
-        return "torch", _TORCH
+    if why:  # auto, without Triton: the C decode kernel where this machine builds it
+        return ("native", _NATIVE) if native.library() is not None else ("torch", _TORCH)
     if _interpreting():
         return "triton", _triton()  # the interpreter runs CPU tensors too
     return "triton", tuple(_on_cuda(fast, slow) for fast, slow in zip(_triton(), _TORCH))

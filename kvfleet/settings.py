@@ -428,8 +428,10 @@ class EngineConfig:
     max_num_batched_tokens: int = knob(2048, "MAX_NUM_BATCHED_TOKENS", int, lo=1)
     #: Longest prompt + output, tokens. None: the model's context.
     max_model_len: Optional[int] = knob(None, "MAX_MODEL_LEN", _optional_int, lo=2)
-    #: Kernel backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
-    kernels: str = knob("auto", "KERNELS", choices=("auto", "triton", "torch"))
+    #: Kernel backend (kernels/ops.py): "auto" (Triton on CUDA; on a CPU, "native" where
+    #: its C decode kernel builds with the machine's compiler, else "torch"), "triton",
+    #: "native" or "torch".
+    kernels: str = knob("auto", "KERNELS", choices=("auto", "triton", "native", "torch"))
     #: Attention path: "paged" (the backend's paged kernel) or "sdpa" (gather + SDPA).
     attention: str = knob("paged", "ATTENTION", choices=("paged", "sdpa"))
     #: What the KV pool holds: "model" (K and V in the model's dtype) or "int8-v" (K in

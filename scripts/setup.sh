@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kvfleet needs on a fresh Debian machine; a second run reuses it all.
-#   - Debian packages: redis-server, a Java 17 runtime and Maven (for the Kafka broker)
+#   - Debian packages: redis-server, a Java 17 runtime and Maven (for the Kafka broker),
+#     and gcc where no C compiler is present (the CPU decode kernel, kernels/native.py)
 #   - a Python venv in $KVFLEET_HOME/venv (default ~/.cache/kvfleet) with the exact
 #     versions pinned (with hashes) in requirements.lock; re-installed only when it changes
 #   - the Apache Kafka jars from Maven Central (fetched by `kvfleet infra up` on first use)
@@ -14,6 +15,9 @@ need=()
 command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || need+=(redis-server)
 command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || need+=(maven)
+# A C compiler builds the CPU decode kernel (kernels/native.py); without one the engine
+# runs the torch kernels, about 15% slower on a CPU.
+command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "[setup] installing Debian packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -37,7 +37,7 @@ def test_every_setting_is_read_from_its_own_variable():
     ({"KVFLEET_MAX_NUM_SEQS": "0"}, "KVFLEET_MAX_NUM_SEQS=0 must be >= 1"),
     ({"KVFLEET_VISIBILITY_TIMEOUT_S": "-1"}, "KVFLEET_VISIBILITY_TIMEOUT_S=-1.0 must be > 0"),
     ({"KVFLEET_API_KEYS": "justakey"}, "must look like 'apikey:tenant'"),
-    ({"KVFLEET_KERNELS": "cuda"}, "KVFLEET_KERNELS='cuda' must be one of auto, triton, torch"),
+    ({"KVFLEET_KERNELS": "cuda"}, "KVFLEET_KERNELS='cuda' must be one of auto, triton, native, torch"),
     ({"KVFLEET_COLD_TIER": "maybe"}, "KVFLEET_COLD_TIER='maybe' is not a boolean"),
 ])
 def test_bad_values_name_the_variable(env, message):
