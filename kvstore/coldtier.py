@@ -194,6 +194,9 @@ class ColdTier:
         self.flight = SingleFlight(
             lock_client or client, name="kv_prefix", lock_ttl_s=lock_ttl_s,
             wait_timeout_s=wait_timeout_s, poll_s=poll_s, early_refresh_beta=0.0, use_lock=use_lock,
+            # Nearly every prompt is unique: its miss need not look again under the lock
+            # unless a build of the same prefix ended lately (see SingleFlight).
+            recheck="after_builds",
         )
         self._lock_client = lock_client or client
         #: Loads and spills go over this many connections at once, validating (or
