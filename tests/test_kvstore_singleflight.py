@@ -105,9 +105,22 @@ def test_after_builds_a_miss_just_after_a_build_looks_again_under_the_lock(cache
 def test_a_build_record_is_left_before_the_release_and_lasts_the_lock_ttl(cache_client, prefix):
     flight = SingleFlight(cache_client, name=prefix, lock_ttl_s=0.5, recheck="after_builds")
     flight.run(f"{prefix}:lock", scripted(), lambda: "built", missing=True)
-    assert cache_client.exists(f"{prefix}:lock:built") and 0 < cache_client.pttl(f"{prefix}:lock:built") <= 500
+    assert cache_client.exists(f"{prefix}:lock:stored") and 0 < cache_client.pttl(f"{prefix}:lock:stored") <= 500
     time.sleep(0.6)
     assert flight.run(f"{prefix}:lock", scripted(), lambda: "again", missing=True) == "again"  # no look again
+
+
+def test_a_build_that_stored_nothing_leaves_no_record(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix, recheck="after_builds")
+    assert flight.run(f"{prefix}:lock", scripted(), lambda: "kept", missing=True, stored=lambda: False) == "kept"
+    assert not cache_client.exists(f"{prefix}:lock:stored")
+    assert flight.run(f"{prefix}:lock", scripted(), lambda: "again", missing=True) == "again"  # no look again
+
+
+def test_a_flight_that_always_looks_again_leaves_no_record(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix)
+    assert flight.run(f"{prefix}:lock", scripted(NO_VALUE, NO_VALUE), lambda: "built") == "built"
+    assert not cache_client.exists(f"{prefix}:lock:stored")
 
 
 def test_a_failed_build_leaves_no_record(cache_client, prefix):
@@ -118,7 +131,7 @@ def test_a_failed_build_leaves_no_record(cache_client, prefix):
 
     with pytest.raises(ValueError):
         flight.run(f"{prefix}:lock", scripted(), boom, missing=True)
-    assert not cache_client.exists(f"{prefix}:lock") and not cache_client.exists(f"{prefix}:lock:built")
+    assert not cache_client.exists(f"{prefix}:lock") and not cache_client.exists(f"{prefix}:lock:stored")
 
 
 def test_a_build_longer_than_the_lock_ttl_keeps_the_lock_without_a_thread_of_its_own(cache_client, prefix):

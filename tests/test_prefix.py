@@ -23,7 +23,7 @@ from workers.prefix import PrefixSharing, PrefixSharingEngine
 
 #: Round trips of the prefix step for a unique prompt of at least `min_blocks` blocks:
 #: the cache's EXISTS run (present_run), then on the state instance the flight's claim
-#: (SET NX and the build record, one script), the count of waiters at the job's first
+#: (SET NX and a read of the `:stored` record, one script), the count of waiters at the job's first
 #: token, and the release (with its announcement). Before issue 16's cut it was 5: the
 #: claim was a bare SET NX, followed by an EXISTS of the marker under the lock.
 UNIQUE_PROMPT_ROUND_TRIPS = {"cache": 1, "state": 3}
@@ -90,4 +90,7 @@ def test_a_unique_prompt_costs_the_prefix_step_four_round_trips_and_no_thread(co
     assert len(out.tokens) == 1
     assert {name: c.round_trips - before[name] for name, c in clients.items()} == UNIQUE_PROMPT_ROUND_TRIPS
     assert started == []  # the flight's lease is renewed by its one shared thread, when a build runs long
+    tier, blocks = sharing.sharing.tier, sharing.engine.block_manager
+    lock = tier._prefix_lock(blocks.prefix_hashes(_prompt(1)), 0)
+    assert not clients["state"].exists(lock, f"{lock}:stored")  # released, and no record: it wrote nothing
 
