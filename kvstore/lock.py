@@ -5,9 +5,9 @@ Used for the run lease of a job (one worker executes a job at a time) and for th
 rebuild lock of a cache entry (one caller rebuilds a missing prefix).
 
 Two ways to keep a lease alive while its work runs: `Lease.keep_alive()`, a thread of
-its own, or a `Renewer` that many leases share: one thread for all the rebuild locks a
-process holds, so a build costs no thread, and a build shorter than a third of the TTL
-(a short job's prefill, the common case) no renewal either.
+its own, or a `Renewer` that many leases share: one thread for all the rebuild locks of
+a flight (kvstore.singleflight), so a build costs no thread, and one shorter than a
+third of the TTL (a short job's prefill, the common case) no renewal either.
 
 Races, and why each is safe:
 - Two callers `acquire()` at once: `SET NX` lets exactly one of them in.
@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import secrets
 import threading
 import time
 from typing import Optional
 
 import redis
+
+log = logging.getLogger(__name__)
 
 # Delete only if we still own it; one round trip, atomic in Redis.
 _RELEASE = """
@@ -169,8 +172,14 @@ class Renewer:
         while True:
             with self._changed:
                 due = self._take_due()
-            if due:
+            try:
                 self._renew(due)
+            except Exception:  # noqa: BLE001 - one thread renews every lease: it must not die of one bug
+                log.exception("lease renewal failed", extra={"leases": len(due)})
+                with self._changed:
+                    for lease in due:  # still held: try again a third of the TTL later
+                        if self._held.get(id(lease), (None,))[0] is lease:
+                            self._schedule(lease)
 
     def _take_due(self) -> list[Lease]:
         """Wait (under the condition) until some held lease is due; pop those that are."""

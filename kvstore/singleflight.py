@@ -34,7 +34,9 @@ With `recheck="after_builds"` (the cold tier's prefixes, where nearly every miss
 prompt nobody shares) a miss that takes the lock skips dogpile's double check unless
 a build under that lock stored a value lately: such a holder leaves a record beside the
 lock on release (`{lock_key}:stored`, for `lock_ttl_s`), and taking the lock reads it in
-the same round trip. A miss then costs the claim and the release, two round trips.
+the same round trip. A miss then costs the claim and the release, two round trips. A
+caller paused for longer than the record lives between its miss and its claim builds
+again after a build that stored: at worst twice, as a waiter that times out does.
 """
 
 from __future__ import annotations
