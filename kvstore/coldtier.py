@@ -538,7 +538,7 @@ class ColdTier:
         EXISTS per key, stopping at the first hole, in one round trip; no blob bytes."""
         if not block_hashes:
             return 0
-        return int(self._present_run(keys=[self.key(h) for h in block_hashes]))
+        return int(self._present_run(keys=[self.key(h) for h in block_hashes], client=self.client))
 
     @property
     def blob_nbytes(self) -> int:

@@ -189,7 +189,8 @@ class SingleFlight:
         if not self.use_lock:
             return self._build(build)
         lease = Lease(self.client, lock_key, self.lock_ttl_ms)
-        claimed = self._claim(keys=[lock_key, self._stored_key(lock_key)], args=[lease.token, self.lock_ttl_ms])
+        claimed = self._claim(keys=[lock_key, self._stored_key(lock_key)], args=[lease.token, self.lock_ttl_ms],
+                              client=self.client)
         if claimed:
             # 1 under "after_builds": no build under this lock stored a value for a lock TTL
             # before our claim, so none landed after our miss: no need to look again.

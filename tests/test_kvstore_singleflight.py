@@ -135,12 +135,12 @@ def test_a_failed_build_leaves_no_record(cache_client, prefix):
 
 
 def test_a_build_longer_than_the_lock_ttl_keeps_the_lock_without_a_thread_of_its_own(cache_client, prefix):
-    flight = SingleFlight(cache_client, name=prefix, lock_ttl_s=0.6)
+    flight = SingleFlight(cache_client, name=prefix, lock_ttl_s=1.0)  # two renewal chances on a busy machine
     other = Lease(cache_client, f"{prefix}:lock", 10_000)
     before = {t.name for t in threading.enumerate()}
 
     def build():
-        time.sleep(1.5)  # two and a half TTLs: only the renewer keeps the lock
+        time.sleep(2.5)  # two and a half TTLs: only the renewer keeps the lock
         assert not other.acquire(), "the lock lapsed mid-build"
         return "built"
 
