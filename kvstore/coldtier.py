@@ -33,7 +33,6 @@ bound.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -79,6 +78,15 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
 return 0
+"""
+
+# How many of KEYS, from the first, exist: one command however long the prompt, where a
+# pipeline of EXISTS costs the client a command's packing and parsing per block.
+_PRESENT_RUN = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 0 then return i - 1 end
+end
+return #KEYS
 """
 
 
@@ -177,6 +185,7 @@ class ColdTier:
         self.grace_s = grace_s
         self.jitter = jitter
         self._touch = client.register_script(_TOUCH)
+        self._present_run = client.register_script(_PRESENT_RUN)
         # Enough free buffers for the batches in flight (copied spills: a GPU's or an
         # INT8 tier's, and the builder's writes), up to READ_BUFFERS_BYTES idle.
         self._buffers = BufferPool(self.codec.raw_nbytes, keep=max(
@@ -194,6 +203,9 @@ class ColdTier:
         self.flight = SingleFlight(
             lock_client or client, name="kv_prefix", lock_ttl_s=lock_ttl_s,
             wait_timeout_s=wait_timeout_s, poll_s=poll_s, early_refresh_beta=0.0, use_lock=use_lock,
+            # Nearly every prompt is unique: its miss need not look again under the lock
+            # unless a build of the same prefix wrote its blocks lately (see SingleFlight).
+            recheck="after_builds",
         )
         self._lock_client = lock_client or client
         #: Loads and spills go over this many connections at once, validating (or
@@ -210,8 +222,10 @@ class ColdTier:
         #: XFetch's β for the early refresh of popular prefixes (kvstore/expiry.py).
         self.refresh_beta = refresh_beta
         # The first missing block of each prefix ensure_prefix is building here: the
-        # key its waiters look for, so write() stores it after the rest.
+        # key its waiters look for, so write() stores it after the rest; and those of
+        # them write() has stored, so the flight knows its build left something to find.
         self._building: dict[str, int] = {}
+        self._written: set[str] = set()
         self._building_lock = threading.Lock()
         # Blocks on loan from the engine's pool by block id (lend), and the condition
         # under which a writer and the engine's reclaim agree who has one.
@@ -309,6 +323,9 @@ class ColdTier:
         for part in (rest, last):
             if part:
                 self._write_batch(part, raise_errors=True)
+        if last:
+            with self._building_lock:
+                self._written.update(item[0] for item in last if item[0] in self._building)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait for queued spills to be written; False on timeout."""
@@ -517,14 +534,11 @@ class ColdTier:
         return keys
 
     def present_run(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many of `block_hashes`, from the first, are in the tier: EXISTS per key in
-        one round trip, no blob bytes."""
+        """How many of `block_hashes`, from the first, are in the tier: one script of
+        EXISTS per key, stopping at the first hole, in one round trip; no blob bytes."""
         if not block_hashes:
             return 0
-        pipe = self.client.pipeline(transaction=False)
-        for h in block_hashes:
-            pipe.exists(self.key(h))
-        return sum(1 for _ in itertools.takewhile(bool, pipe.execute()))
+        return int(self._present_run(keys=[self.key(h) for h in block_hashes], client=self.client))
 
     @property
     def blob_nbytes(self) -> int:
@@ -613,7 +627,9 @@ class ColdTier:
         the blocks are in Redis, load them (a load that still comes up short, e.g. after
         an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
         `known_missing`: the caller has just found `block_hashes[first_missing]` absent
-        (`present_run`), so the flight does not look again before it takes the lock.
+        (`present_run`), so the flight does not look again before it takes the lock,
+        nor after unless a build of this prefix wrote its blocks lately (SingleFlight's
+        recheck="after_builds"): a miss nobody shares costs the claim and the release.
         """
         marker = hash_id(block_hashes[first_missing])
         first = self.key(marker)
@@ -625,6 +641,8 @@ class ColdTier:
             # One EXISTS, no blob bytes; the blocks' own expiry is fetch()'s business.
             return Entry(PrefixSource.COLD, math.inf) if self.client.exists(first) else NO_VALUE
 
+        wrote: list[bool] = []
+
         def build() -> PrefixSource:
             with self._building_lock:
                 self._building[marker] = self._building.get(marker, 0) + 1
@@ -632,9 +650,13 @@ class ColdTier:
                 prefill()
             finally:
                 with self._building_lock:
+                    wrote.append(marker in self._written)
                     self._building[marker] -= 1
                     if not self._building[marker]:
                         del self._building[marker]
+                        self._written.discard(marker)
             return PrefixSource.BUILT
 
-        return self.flight.run(lock_key, lookup, build, missing=known_missing)
+        # A builder nobody waited for wrote nothing: it leaves no record for the next
+        # claim of this prefix to look again for (SingleFlight's recheck="after_builds").
+        return self.flight.run(lock_key, lookup, build, missing=known_missing, stored=lambda: any(wrote))

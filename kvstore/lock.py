@@ -4,6 +4,11 @@ only by its owner. It knows nothing about what it guards.
 Used for the run lease of a job (one worker executes a job at a time) and for the
 rebuild lock of a cache entry (one caller rebuilds a missing prefix).
 
+Two ways to keep a lease alive while its work runs: `Lease.keep_alive()`, a thread of
+its own, or a `Renewer` that many leases share: one thread for all the rebuild locks of
+a flight (kvstore.singleflight), so a build costs no thread, and one shorter than a
+third of the TTL (a short job's prefill, the common case) no renewal either.
+
 Races, and why each is safe:
 - Two callers `acquire()` at once: `SET NX` lets exactly one of them in.
 - The holder dies: nobody renews, the key expires after `ttl_ms`, and the next
@@ -15,11 +20,17 @@ Races, and why each is safe:
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
 import secrets
 import threading
+import time
 from typing import Optional
 
 import redis
+
+log = logging.getLogger(__name__)
 
 # Delete only if we still own it; one round trip, atomic in Redis.
 _RELEASE = """
@@ -99,3 +110,114 @@ class Lease:
         self._stop.clear()
         self._renewer = threading.Thread(target=loop, name=f"lease-{self.key}", daemon=True)
         self._renewer.start()
+
+
+class Renewer:
+    """One daemon thread renewing every lease `hold` hands it, each a third of its TTL
+    after it was taken or last renewed, until `drop`; the renewals due at one moment go
+    in one pipelined round trip per client. The thread starts with the first `hold`.
+
+    Races, and why each is safe:
+    - `drop` while a renewal of that lease is on the wire: the renewal either lands
+      before the holder's release (which then deletes the key) or after it (and finds
+      the token gone: it extends nothing). A lease is never renewed once released.
+    - A renewal finds the lease gone (expired, evicted, taken over): it is dropped, as
+      `keep_alive`'s thread stops; renewing it again would only fail again. The holder
+      is not told (see `Lease.keep_alive`).
+    - Redis errors: the lease stays, and is tried again a third of the TTL later,
+      which leaves a second chance before it expires.
+    """
+
+    def __init__(self, *, name: str = "lease-renewer") -> None:
+        self.name = name
+        # id(lease) -> (lease, the sequence number of its one live heap entry), while held;
+        # a heap entry whose number is not that one is stale (its lease dropped, or held again).
+        self._held: dict[int, tuple[Lease, int]] = {}
+        self._due: list[tuple[float, int, int]] = []  # heap of (monotonic due time, sequence number, id(lease))
+        self._order = itertools.count()
+        self._changed = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def hold(self, lease: Lease) -> None:
+        """Renew `lease` (just acquired) until `drop(lease)`."""
+        with self._changed:
+            self._schedule(lease)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def drop(self, lease: Lease) -> None:
+        """Stop renewing `lease` (its heap entry is skipped when it comes due)."""
+        with self._changed:
+            self._held.pop(id(lease), None)
+
+    @property
+    def held(self) -> int:
+        """How many leases are being renewed."""
+        with self._changed:
+            return len(self._held)
+
+    def _schedule(self, lease: Lease) -> None:
+        """Due a third of the TTL from now (under the condition)."""
+        seq = next(self._order)
+        self._held[id(lease)] = (lease, seq)
+        heapq.heappush(self._due, (time.monotonic() + lease.ttl_ms / 3000, seq, id(lease)))
+
+    def _live(self, entry: tuple[float, int, int]) -> bool:
+        held = self._held.get(entry[2])
+        return held is not None and held[1] == entry[1]
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                due = self._take_due()
+            try:
+                self._renew(due)
+            except Exception:  # noqa: BLE001 - one thread renews every lease: it must not die of one bug
+                log.exception("lease renewal failed", extra={"leases": len(due)})
+                with self._changed:
+                    for lease in due:  # still held: try again a third of the TTL later
+                        if self._held.get(id(lease), (None,))[0] is lease:
+                            self._schedule(lease)
+
+    def _take_due(self) -> list[Lease]:
+        """Wait (under the condition) until some held lease is due; pop those that are."""
+        while True:
+            while self._due and not self._live(self._due[0]):
+                heapq.heappop(self._due)  # dropped since it was scheduled
+            if not self._due:
+                self._changed.wait()
+                continue
+            wait_s = self._due[0][0] - time.monotonic()
+            if wait_s > 0:
+                self._changed.wait(wait_s)
+                continue
+            due, now = [], time.monotonic()
+            while self._due and self._due[0][0] <= now:
+                entry = heapq.heappop(self._due)
+                if self._live(entry):
+                    due.append(self._held[entry[2]][0])
+            return due
+
+    def _renew(self, due: list[Lease]) -> None:
+        by_client: dict[int, list[Lease]] = {}
+        for lease in due:
+            by_client.setdefault(id(lease.client), []).append(lease)
+        for leases in by_client.values():
+            try:
+                with leases[0].client.pipeline(transaction=False) as pipe:
+                    for lease in leases:
+                        # EVAL with the text, as in `release`: no SCRIPT EXISTS round trip.
+                        pipe.eval(_RENEW, 1, lease.key, lease.token, lease.ttl_ms)
+                    renewed = pipe.execute()
+            except redis.RedisError:
+                renewed = [True] * len(leases)  # transient: keep them, retry a third of the TTL later
+            with self._changed:
+                for lease, ok in zip(leases, renewed):
+                    if self._held.get(id(lease), (None,))[0] is not lease:
+                        continue  # dropped meanwhile
+                    if ok:
+                        self._schedule(lease)
+                    else:
+                        del self._held[id(lease)]  # lost: see the class docstring

@@ -26,6 +26,17 @@ treat a fresh entry as stale a little before its expiry (kvstore.expiry.xfetch_d
 Waiters learn of a release from a pub/sub message on a channel named like the lock
 key, and poll every `poll_s` as well, because a holder killed mid-build announces
 nothing: its lease simply expires and the next poll takes it over.
+
+Holders' leases are renewed by one `Renewer` thread per flight, not a thread per build:
+a build shorter than a third of `lock_ttl_s` costs no renewal at all.
+
+With `recheck="after_builds"` (the cold tier's prefixes, where nearly every miss is a
+prompt nobody shares) a miss that takes the lock skips dogpile's double check unless
+a build under that lock stored a value lately: such a holder leaves a record beside the
+lock on release (`{lock_key}:stored`, for `lock_ttl_s`), and taking the lock reads it in
+the same round trip. A miss then costs the claim and the release, two round trips. A
+caller paused for longer than the record lives between its miss and its claim builds
+again after a build that stored: at worst twice, as a waiter that times out does.
 """
 
 from __future__ import annotations
@@ -34,13 +45,13 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Generic, Iterator, TypeVar, Union
+from typing import Callable, Generic, Iterator, Optional, TypeVar, Union
 
 import redis
 
 from kvstore import metrics
 from kvstore.expiry import xfetch_due
-from kvstore.lock import Lease
+from kvstore.lock import Lease, Renewer
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +92,18 @@ class Entry(Generic[T]):
 
 Lookup = Callable[[], Union[Entry[T], NoValueType]]
 
+# Take the lock (SET NX PX, as Lease.acquire) and say in the same round trip whether a
+# build under it stored a value lately (its holder left KEYS[2] on release): 0 held by
+# another, 1 taken and no build stored anything within the record's life, 2 taken after one.
+_CLAIM = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+return 1 + redis.call('EXISTS', KEYS[2])
+"""
+#: How `run` looks again under the lock after a miss: "always" (dogpile's double
+#: check), or "after_builds": only if a build under this lock stored a value in the
+#: last `lock_ttl_s` (see the module docstring).
+RECHECKS = ("always", "after_builds")
+
 
 class SingleFlight:
     def __init__(
@@ -93,6 +116,7 @@ class SingleFlight:
         poll_s: float = 0.25,
         early_refresh_beta: float = 1.0,
         use_lock: bool = True,
+        recheck: str = "always",
     ) -> None:
         """`client` holds the locks and carries the wake-ups (the values may live elsewhere).
 
@@ -105,9 +129,15 @@ class SingleFlight:
         early_refresh_beta: XFetch's β; 0 disables early refresh, 1 is the paper's optimum.
         use_lock: False turns the protection off (every caller that misses builds); it
             exists for the tests and benchmark that show what the lock prevents.
+        recheck: "always", or "after_builds" where values are stored by this flight's
+            builds (others, e.g. the cold tier's spills, may land too: one of those
+            stored in the instant between the caller's miss and its claim is rebuilt,
+            a cost and never a wrong value); see the module docstring.
         """
         if lock_ttl_s <= 0 or wait_timeout_s < 0 or poll_s <= 0:
             raise ValueError("lock_ttl_s and poll_s must be > 0 and wait_timeout_s >= 0")
+        if recheck not in RECHECKS:
+            raise ValueError(f"recheck must be one of {RECHECKS}, got {recheck!r}")
         self.client = client
         self.name = name
         self.lock_ttl_ms = int(lock_ttl_s * 1000)
@@ -115,16 +145,24 @@ class SingleFlight:
         self.poll_s = poll_s
         self.early_refresh_beta = early_refresh_beta
         self.use_lock = use_lock
+        self.recheck = recheck
+        self._claim = client.register_script(_CLAIM) if client is not None else None
+        #: Renews every lease this flight's builders hold: one thread, not one per build.
+        self.renewer = Renewer(name=f"lease-renewer-{name}")
 
-    def run(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T], *, missing: bool = False) -> T:
+    def run(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T], *, missing: bool = False,
+            stored: Optional[Callable[[], bool]] = None) -> T:
         """The value behind `lock_key`: found, built by this caller, or built by another.
         `missing`: the caller has just read that there is no value (a read of its own
         that covers `lookup`'s), so the first lookup is skipped; the one under the lock,
-        and a waiter's, still run."""
+        and a waiter's, still run (under the lock, with recheck="after_builds", only
+        after a build that stored). `stored()`, asked once `build` returned: whether it
+        stored a value where `lookup` finds it (default: it did); with False the holder
+        leaves no record, as nothing could be found."""
         entry = NO_VALUE if missing else lookup()
         if entry is NO_VALUE:
             metrics.MISSES.labels(self.name).inc()
-            return self._build_or_wait(lock_key, lookup, build)
+            return self._build_or_wait(lock_key, lookup, build, stored)
         now = time.time()
         early = not entry.stale(now)
         if early and not xfetch_due(now, entry.expires_at, entry.build_s, self.early_refresh_beta):
@@ -146,12 +184,19 @@ class SingleFlight:
         return self._build_holding(lease, lookup, build, seen=entry, took_over=False)
 
     # --- nothing stored: one caller builds, the others wait for it -----------------
-    def _build_or_wait(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T]) -> T:
+    def _build_or_wait(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T],
+                       stored: Optional[Callable[[], bool]] = None) -> T:
         if not self.use_lock:
             return self._build(build)
         lease = Lease(self.client, lock_key, self.lock_ttl_ms)
-        if lease.acquire():
-            return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=False)
+        claimed = self._claim(keys=[lock_key, self._stored_key(lock_key)], args=[lease.token, self.lock_ttl_ms],
+                              client=self.client)
+        if claimed:
+            # 1 under "after_builds": no build under this lock stored a value for a lock TTL
+            # before our claim, so none landed after our miss: no need to look again.
+            recheck = claimed == 2 or self.recheck == "always"
+            return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=False, recheck=recheck,
+                                       stored=stored)
         metrics.LOCK_WAITS.labels(self.name).inc()
         deadline = time.monotonic() + self.wait_timeout_s
         with self._wakeups(lock_key) as wakeups:
@@ -165,7 +210,7 @@ class SingleFlight:
                 # Free and still no value: the holder failed, or died and its lease
                 # expired. Exactly one waiter wins this SET NX and builds again.
                 if lease.acquire():
-                    return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=True)
+                    return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=True, stored=stored)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -177,23 +222,30 @@ class SingleFlight:
                     extra={"lock": lock_key, "waited_s": self.wait_timeout_s})
         return self._build(build)
 
-    def _build_holding(self, lease: Lease, lookup: Lookup[T], build: Callable[[], T], *, seen, took_over: bool) -> T:
+    def _build_holding(self, lease: Lease, lookup: Lookup[T], build: Callable[[], T], *, seen, took_over: bool,
+                       recheck: bool = True, stored: Optional[Callable[[], bool]] = None) -> T:
         """Build while holding `lease`; release it and wake the waiters however it ends."""
+        stored_one = False
         try:
             # Run the getter again under the lock: the previous holder may have stored a
             # newer value between our lookup and our acquire (dogpile's double check).
-            entry = lookup()
+            entry = lookup() if recheck else NO_VALUE
             if entry is not NO_VALUE and (seen is NO_VALUE or entry.expires_at > seen.expires_at):
                 return entry.value
             if took_over:
                 metrics.LOCK_TAKEOVERS.labels(self.name).inc()
                 log.info("took over a rebuild lock whose holder left no value", extra={"lock": lease.key})
-            # Renew while building, so a build longer than the lease TTL keeps it; a
-            # holder that dies stops renewing and loses it after at most one TTL.
-            lease.keep_alive()
-            return self._build(build)
+            # Renew while building, so a build longer than a third of the lease TTL keeps
+            # it; a holder that dies stops renewing and loses it after at most one TTL.
+            self.renewer.hold(lease)
+            try:
+                value = self._build(build)
+            finally:
+                self.renewer.drop(lease)
+            stored_one = stored is None or stored()
+            return value
         finally:
-            self._release(lease)
+            self._release(lease, stored=stored_one)
 
     def _build(self, build: Callable[[], T]) -> T:
         started = time.perf_counter()
@@ -203,15 +255,27 @@ class SingleFlight:
         return value
 
     # --- wake-ups -----------------------------------------------------------------
+    @staticmethod
+    def _stored_key(lock_key: str) -> str:
+        """Where a holder whose build stored a value records it, for `lock_ttl_s` (see
+        the module docstring)."""
+        return f"{lock_key}:stored"
+
     # Pub/sub channels live apart from the keyspace, so the lock key names the channel.
-    def _release(self, lease: Lease) -> None:
-        """Release the lease (compare-and-delete: never frees one we already lost) and
-        announce it, in one round trip; a connection error raises, as a release's would,
-        and a refused announcement costs the waiters at most `poll_s`, as below."""
+    def _release(self, lease: Lease, *, stored: bool = False) -> None:
+        """Release the lease (compare-and-delete: never frees one we already lost),
+        record a build that stored a value (`stored`), and announce it, in one round trip; a
+        connection error raises, as a release's would, and a refused announcement costs
+        the waiters at most `poll_s`, as below."""
         with self.client.pipeline(transaction=False) as pipe:
+            if stored and self.recheck == "after_builds":  # "always" looks again anyway
+                # Before the release: a pipeline's commands may interleave with other
+                # clients', and a newcomer that took the freed lock before the record
+                # existed would skip the double check and build again.
+                pipe.set(self._stored_key(lease.key), b"1", px=self.lock_ttl_ms)
             lease.release(pipe=pipe)
             pipe.publish(lease.key, b"released")
-            _, announced = pipe.execute(raise_on_error=False)
+            *_, announced = pipe.execute(raise_on_error=False)
         if isinstance(announced, Exception):
             log.warning("could not announce a lock release", extra={"lock": lease.key, "error": str(announced)})
 

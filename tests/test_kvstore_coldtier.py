@@ -489,3 +489,33 @@ def test_redis_down_is_a_quick_miss_not_an_error(prefix, monkeypatch):
         assert metric("kvfleet_kv_cold_spill_dropped_blocks_total", reason="error") == before + 1
     finally:
         tier.close()
+
+
+def test_present_run_counts_the_stored_blocks_up_to_the_first_hole_in_one_command(make_tier, cache_client):
+    tier = make_tier(make_pool())
+    store(tier, [HASHES[0], HASHES[1], HASHES[3]], [0, 1, 3])
+    other = make_tier(make_pool(dtype=torch.float32))  # another layout: its namespace holds none of them
+    assert tier.present_run(HASHES) == 2  # block 2 is missing: block 3 is of no use without it
+    assert tier.present_run(HASHES[:2]) == 2 and tier.present_run(HASHES[2:]) == 0 and tier.present_run([]) == 0
+    assert other.present_run(HASHES) == 0
+    sent = []
+    execute = cache_client.execute_command
+    cache_client.execute_command = lambda *args, **options: (sent.append(args[0]), execute(*args, **options))[1]
+    try:
+        assert tier.present_run(HASHES) == 2
+    finally:
+        del cache_client.execute_command
+    assert sent == ["EVALSHA"]  # one command however long the prompt
+
+
+def test_a_prefix_build_leaves_a_record_for_the_next_claim_only_if_it_wrote_the_blocks(make_tier, cache_client):
+    # Locks on the cache instance here: its test client sees the record beside the lock.
+    tier = make_tier(make_pool())
+    record = tier._prefix_lock(HASHES, 0) + ":stored"
+    assert tier.ensure_prefix(HASHES[:2], lambda: None, known_missing=True) is PrefixSource.BUILT
+    assert not cache_client.exists(record)  # nobody waited, nothing written: the next claim need not look again
+    assert tier.ensure_prefix(HASHES[:2], lambda: store(tier, HASHES[:2], [0, 1]),
+                              known_missing=True) is PrefixSource.BUILT
+    assert cache_client.exists(record) and tier._written == set()
+    # A claim right after it looks again under the lock, and finds the blocks written.
+    assert tier.ensure_prefix(HASHES[:2], lambda: pytest.fail("built twice"), known_missing=True) is PrefixSource.COLD

@@ -78,3 +78,73 @@ def test_a_waiter_looks_again_once_subscribed(cache_client, prefix):
     waiter.join(30)
     holder.release()
     assert answer == ["theirs"]
+
+
+def test_recheck_is_checked():
+    with pytest.raises(ValueError):
+        SingleFlight(None, recheck="sometimes")
+
+
+def test_after_builds_a_miss_that_takes_the_lock_builds_without_looking_again(cache_client, prefix):
+    # Nothing was built under this lock lately: what the caller's own read missed cannot
+    # have been stored by a builder in between, so the lookup is not run again.
+    flight = SingleFlight(cache_client, name=prefix, recheck="after_builds")
+    assert flight.run(f"{prefix}:lock", scripted(), lambda: "built", missing=True) == "built"
+    assert not cache_client.exists(f"{prefix}:lock")
+
+
+def test_after_builds_a_miss_just_after_a_build_looks_again_under_the_lock(cache_client, prefix):
+    # The previous holder built, stored and released between our read and our claim:
+    # its record makes us look again (dogpile's double check) and take its value.
+    flight = SingleFlight(cache_client, name=prefix, recheck="after_builds")
+    assert flight.run(f"{prefix}:lock", scripted(), lambda: "theirs", missing=True) == "theirs"
+    lookup = scripted(Entry("theirs", math.inf))
+    assert flight.run(f"{prefix}:lock", lookup, lambda: pytest.fail("built twice"), missing=True) == "theirs"
+
+
+def test_a_build_record_is_left_before_the_release_and_lasts_the_lock_ttl(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix, lock_ttl_s=0.5, recheck="after_builds")
+    flight.run(f"{prefix}:lock", scripted(), lambda: "built", missing=True)
+    assert cache_client.exists(f"{prefix}:lock:stored") and 0 < cache_client.pttl(f"{prefix}:lock:stored") <= 500
+    time.sleep(0.6)
+    assert flight.run(f"{prefix}:lock", scripted(), lambda: "again", missing=True) == "again"  # no look again
+
+
+def test_a_build_that_stored_nothing_leaves_no_record(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix, recheck="after_builds")
+    assert flight.run(f"{prefix}:lock", scripted(), lambda: "kept", missing=True, stored=lambda: False) == "kept"
+    assert not cache_client.exists(f"{prefix}:lock:stored")
+    assert flight.run(f"{prefix}:lock", scripted(), lambda: "again", missing=True) == "again"  # no look again
+
+
+def test_a_flight_that_always_looks_again_leaves_no_record(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix)
+    assert flight.run(f"{prefix}:lock", scripted(NO_VALUE, NO_VALUE), lambda: "built") == "built"
+    assert not cache_client.exists(f"{prefix}:lock:stored")
+
+
+def test_a_failed_build_leaves_no_record(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix, recheck="after_builds")
+
+    def boom():
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        flight.run(f"{prefix}:lock", scripted(), boom, missing=True)
+    assert not cache_client.exists(f"{prefix}:lock") and not cache_client.exists(f"{prefix}:lock:stored")
+
+
+def test_a_build_longer_than_the_lock_ttl_keeps_the_lock_without_a_thread_of_its_own(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix, lock_ttl_s=1.0)  # two renewal chances on a busy machine
+    other = Lease(cache_client, f"{prefix}:lock", 10_000)
+    before = {t.name for t in threading.enumerate()}
+
+    def build():
+        time.sleep(2.5)  # two and a half TTLs: only the renewer keeps the lock
+        assert not other.acquire(), "the lock lapsed mid-build"
+        return "built"
+
+    assert flight.run(f"{prefix}:lock", scripted(NO_VALUE, NO_VALUE), build) == "built"
+    started = {t.name for t in threading.enumerate()} - before
+    assert started <= {flight.renewer.name}  # the flight's one renewer, never a thread per build
+    assert flight.renewer.held == 0 and not cache_client.exists(f"{prefix}:lock")

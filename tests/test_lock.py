@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import redis as redis_lib
 
-from kvstore.lock import Lease
+from kvstore.lock import Lease, Renewer
 
 #: The most any wait below may take; only a broken behaviour reaches it.
 TIMEOUT_S = 30.0
@@ -91,3 +92,70 @@ def test_a_decoding_client_works(cache_redis_url, prefix):
         assert a.release() and not client.exists(a.key)
     finally:
         client.close()
+
+
+def test_a_renewer_keeps_many_leases_alive_from_one_thread_until_dropped(cache_client, prefix):
+    renewer = Renewer(name=f"renewer-{prefix}")
+    # A TTL that leaves a renewer held up by a busy machine two chances, as above.
+    leases = [Lease(cache_client, f"{prefix}:l{i}", 1000) for i in range(3)]
+    for lease in leases:
+        assert lease.acquire()
+        renewer.hold(lease)
+    renewers = [t for t in threading.enumerate() if t.name == renewer.name]
+    assert len(renewers) == 1  # one thread for all of them
+    time.sleep(2.5)  # two and a half TTLs: only renewals keep them
+    assert all(held(lease) for lease in leases)
+    renewer.drop(leases[0])
+    wait_until(lambda: not cache_client.exists(leases[0].key), "the dropped lease expired")
+    assert held(leases[1]) and held(leases[2])
+    assert renewer.held == 2
+    for lease in leases[1:]:
+        renewer.drop(lease)
+        assert lease.release()
+    assert renewer.held == 0
+
+
+def test_a_renewer_lets_go_of_a_stolen_lease_and_renews_nothing_it_does_not_own(cache_client, prefix):
+    renewer = Renewer(name=f"renewer-{prefix}")
+    a, b = Lease(cache_client, f"{prefix}:l", 300), Lease(cache_client, f"{prefix}:l", 5000)
+    assert a.acquire()
+    renewer.hold(a)
+    cache_client.delete(a.key)  # e.g. evicted by allkeys-lru
+    assert b.acquire()
+    wait_until(lambda: renewer.held == 0, "the renewer found the lease gone and dropped it")
+    assert held(b) and cache_client.pttl(b.key) > 4000  # b's TTL, never a's 300 ms
+
+
+def test_a_lease_held_shorter_than_a_third_of_its_ttl_costs_no_renewal(cache_client, prefix):
+    renewer = Renewer(name=f"renewer-{prefix}")
+    a = Lease(cache_client, f"{prefix}:l", 6000)  # due 2 s after it is taken
+    assert a.acquire()
+    renewed = []
+    renew = renewer._renew
+    renewer._renew = lambda due: (renewed.extend(due), renew(due))
+    renewer.hold(a)
+    time.sleep(0.3)
+    renewer.drop(a)
+    assert a.release()
+    time.sleep(2.2)  # past when it would have come due
+    assert renewed == []
+
+
+def test_a_renewer_outlives_an_unexpected_error_and_keeps_renewing(cache_client, prefix):
+    renewer = Renewer(name=f"renewer-{prefix}")
+    a = Lease(cache_client, f"{prefix}:l", 1500)  # the failed round and the retry: 500 ms apart, 1,000 before expiry
+    assert a.acquire()
+    failed, renew = [], renewer._renew
+
+    def once_broken(due):
+        if not failed:
+            failed.append(due)
+            raise RuntimeError("a bug in one renewal")
+        return renew(due)
+
+    renewer._renew = once_broken
+    renewer.hold(a)
+    time.sleep(4.0)  # over two and a half TTLs: the failed round, then renewals again
+    assert failed and held(a)
+    renewer.drop(a)
+    assert a.release()

@@ -5,7 +5,8 @@ Before a job reaches the engine, in the job's own task thread (never the step th
 `PrefixSharing.prepare()`:
 
 1. finds how much of the prompt's full blocks this worker holds (hot) and, after that,
-   how much the Redis tier holds (cold), in one EXISTS round trip;
+   how much the Redis tier holds (cold), in one round trip (a script of EXISTS that
+   stops at the first hole);
 2. if at least `min_blocks` blocks are in neither tier, runs the fleet-wide single
    flight keyed on the first such block (kvstore.coldtier.ensure_prefix): requests that
    share a system prompt or a document meet on that key whatever they ask after it, so
@@ -14,11 +15,17 @@ Before a job reaches the engine, in the job's own task thread (never the step th
    itself (`PrefixSharingEngine` hands `prepare` a way to submit it): the flight's lock
    is held until the job's first token, and the blocks are copied out and written only
    if someone waits for them (kvstore.ColdTier.prefix_waiters). A prompt nobody shares,
-   the common case, so costs the lock's round trips and nothing else (issue 16: a
-   separate one-token prefix run and a write per unique prompt cut a fleet's short
-   jobs by a third). A caller that starts waiting just after the builder looked finds
-   nothing written when the lock is released, takes the lock and prefills itself: at
-   worst twice, never once per caller;
+   the common case, so costs four round trips in all and no thread: step 1's EXISTS
+   run on the cache instance, then on the state instance the flight's claim (SET NX,
+   and whether a build of this prefix wrote its blocks lately, in one script: only then
+   does it look for them again under the lock), the waiter count at the job's first
+   token, and the release with its announcement; the lease is renewed by the flight's
+   one shared thread, and only if the prefill outlasts a third of its TTL (issue 16:
+   a separate one-token prefix run and a write per unique prompt cut a fleet's short
+   jobs by a third; then five round trips and a renewal thread per build). A caller
+   that starts waiting just after the builder looked finds nothing written when the
+   lock is released, takes the lock and prefills itself: at worst twice, never once
+   per caller;
 3. if blocks are cold, asks `FetchDecision` (kvstore/decision.py) whether loading them
    is sooner than recomputing them here, and if so fetches them now straight into pool
    blocks the engine sets aside for them (`BlockManager.reserve`), validates them
