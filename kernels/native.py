@@ -18,10 +18,14 @@ and ctypes releases the GIL for the call, so the worker's other threads run whil
 engine's attention does.
 
 The library is built once per machine and source into `~/.cache/kvfleet/native` (or
-`$KVFLEET_HOME/native`), named by a hash of the source, the compiler and the flags
-(`-march=native`: the host's vector units) and the CPU's flags, written to a temporary name and renamed,
-so processes that build at once never load a half-written file. A failed build is
-logged once and not retried in the process.
+`$KVFLEET_HOME/native`), named by a hash of the source, the compiler, the flags
+(`-march=native`: the host's vector units) and the CPU's flags, written to a temporary
+name and renamed, so processes that build at once never load a half-written file. A
+failed build is logged once and not retried in the process.
+
+C reads what it is given without bounds checks, so `decode` checks the batch first
+(block ids inside the pool, contexts inside their tables): a bad batch is a ValueError,
+as in torch, never a read outside the pool.
 """
 
 from __future__ import annotations
@@ -84,7 +88,11 @@ def build(out_dir: Optional[Path] = None) -> Path:
     except OSError as exc:
         raise RuntimeError(f"the kernel's source is missing ({exc}); reinstall kvfleet with its package data "
                            "or run the torch kernels (KVFLEET_KERNELS=torch)") from exc
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    except OSError as exc:
+        raise RuntimeError(f"the C compiler {cc!r} cannot be run ({exc}); install one (Debian: apt-get install gcc) "
+                           "or run the torch kernels (KVFLEET_KERNELS=torch)") from exc
     key = hashlib.sha256(source + repr((version, FLAGS, _cpu())).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     path = out_dir / f"paged_decode-{key}.so"
@@ -157,8 +165,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     qs = (q * scale).contiguous()  # (B, Hq, D), a new tensor: the caller's q is left as it was
     tables = batch.block_tables.to(torch.int32).contiguous()  # (B, W)
     ctxs = batch.context_lens.to(torch.int32).contiguous()  # (B,)
+    (min_ctx, max_ctx), (min_id, max_id) = (tuple(int(x) for x in torch.aminmax(t)) for t in (ctxs, tables))
+    if min_ctx < 1 or max_ctx > tables.shape[1] * bs or min_id < 0 or max_id >= k_cache.shape[0]:
+        raise ValueError(f"decode batch out of bounds: contexts {min_ctx}..{max_ctx} for tables of "
+                         f"{tables.shape[1]} blocks of {bs}, block ids {min_id}..{max_id} in a pool of {k_cache.shape[0]}")
     out = torch.empty_like(qs)
-    scratch = torch.empty(hq * int(ctxs.max()), dtype=torch.float32)  # (Hq * max ctx,)
+    scratch = torch.empty(hq * max_ctx, dtype=torch.float32)  # (Hq * max ctx,)
     lib.kvfleet_paged_decode_f32(qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                  tables.shape[1], ctxs.data_ptr(), b, hq, hkv, d, bs, out.data_ptr(),
                                  scratch.data_ptr())

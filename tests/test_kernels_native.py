@@ -40,6 +40,18 @@ def test_paged_attention_sends_all_but_fp32_decode_to_torch() -> None:
     assert torch.equal(got, torch_attention.paged_attention(q, kc, vc, paged, 32**-0.5))
 
 
+def test_a_batch_outside_the_pool_is_refused_not_read() -> None:
+    q, kc, vc, paged = make_batch([1, 1], [5, 9], 4, 2, 16, torch.float32)
+    bad = paged.block_tables.clone()
+    bad[1, 0] = kc.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="out of bounds"):
+        native.decode(q, kc, vc, type(paged)(paged.cu_seqlens_q, paged.context_lens, bad), 0.25)
+    long_ctx = paged.context_lens.clone()
+    long_ctx[0] = paged.block_tables.shape[1] * kc.shape[1] + 1  # more tokens than the table has blocks for
+    with pytest.raises(ValueError, match="out of bounds"):
+        native.decode(q, kc, vc, type(paged)(paged.cu_seqlens_q, long_ctx, paged.block_tables), 0.25)
+
+
 def test_select_auto_on_a_cpu_runs_native() -> None:
     kernels = ops.select("auto", "paged")
     if kernels.backend != "triton":  # TRITON_INTERPRET=1 runs Triton on the CPU instead
