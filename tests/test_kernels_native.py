@@ -40,6 +40,14 @@ def test_paged_attention_sends_all_but_fp32_decode_to_torch() -> None:
     assert torch.equal(got, torch_attention.paged_attention(q, kc, vc, paged, 32**-0.5))
 
 
+def test_loading_the_kernel_leaves_the_process_floating_point_alone() -> None:
+    # A library linked with -ffast-math turns on flush-to-zero for the whole process
+    # when it loads: subnormals would then read as 0 in every float op, Python's too.
+    native.load(native.build())
+    assert 5e-324 * 1.0 == 5e-324
+    assert torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() != 0.0
+
+
 def test_a_batch_outside_the_pool_is_refused_not_read() -> None:
     q, kc, vc, paged = make_batch([1, 1], [5, 9], 4, 2, 16, torch.float32)
     bad = paged.block_tables.clone()
