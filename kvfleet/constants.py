@@ -75,6 +75,11 @@ class Keys:
         """Redis Stream of one job's generated text as it is produced (streaming clients)."""
         return f"{self.prefix}:stream:{job_id}"
 
+    def job_followed(self, job_id: str) -> str:
+        """Present while a client follows (or has followed) the job's stream: workers
+        write the streams of such jobs only (workers/streaming.py)."""
+        return f"{self.prefix}:followed:{job_id}"
+
     @property
     def ledger_freed(self) -> str:
         """Pub/sub channel told whenever a finished job's reservation is released: what

@@ -110,11 +110,13 @@ return {1, cur}
 # job running, count the attempt and move its token reservation (if any) from the
 # admission lease to the run lease. A job past its deadline is leased but not started:
 # the caller, as lease holder, ends it `expired`.
-# KEYS: job, events, run lease, ledger, ledger leases
+# It also says whether anyone follows the job's stream (kvfleet/streams.py `follow` marks
+# it), so a worker writes the streams of followed jobs only, at no extra round trip.
+# KEYS: job, events, run lease, ledger, ledger leases, followed marker
 # ARGV: lease token, lease ms, started_at, worker, reservation lease s, job_id,
 #       terminal states joined by ',', deadline ('' = none)
-# Returns {outcome, state before, attempt, queued_at, admitted_at}; outcome is one of
-# started | expired | terminal | held | missing.
+# Returns {outcome, state before, attempt, queued_at, admitted_at, followed (0/1)};
+# outcome is one of started | expired | terminal | held | missing.
 _BEGIN = REDIS_NOW + """
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {'missing', ''} end
@@ -128,7 +130,7 @@ if redis.call('HEXISTS', KEYS[4], ARGV[6]) == 1 then
   redis.call('ZADD', KEYS[5], 'XX', redis_now('') + tonumber(ARGV[5]), ARGV[6])
 end
 return {'started', cur, attempt, redis.call('HGET', KEYS[1], 'queued_at') or '',
-        redis.call('HGET', KEYS[1], 'admitted_at') or ''}
+        redis.call('HGET', KEYS[1], 'admitted_at') or '', redis.call('EXISTS', KEYS[6])}
 """
 
 _TIMING_FIELDS = ("queued_at", "admitted_at", "started_at", "finished_at")
@@ -175,6 +177,7 @@ class Begun(msgspec.Struct, frozen=True):
     previous: Optional[str] = None  # state before the call
     attempt: int = 0  # the run it began (1 = the first)
     timings: Timings = Timings()  # queued_at and admitted_at, when started
+    followed: bool = False  # when started: a client follows the job's stream (write it)
 
 
 class BeginArgs(msgspec.Struct, frozen=True):
@@ -306,7 +309,8 @@ class JobStore:
     def _begin_call(self, job: "BeginArgs", *, lease_ms: int, now: float, worker: str,
                     reservation_lease_s: float) -> dict:
         return {"keys": [self.keys.job(job.job_id), self.keys.job_events(job.job_id),
-                         self.keys.run_lease(job.job_id), *self._ledger_keys[:2]],
+                         self.keys.run_lease(job.job_id), *self._ledger_keys[:2],
+                         self.keys.job_followed(job.job_id)],
                 "args": [job.lease_token, lease_ms, repr(now), worker, reservation_lease_s, job.job_id, _TERMINAL,
                          "" if job.deadline is None else repr(job.deadline)]}
 
@@ -317,7 +321,7 @@ class JobStore:
             return Begun(outcome, previous)
         queued_at, admitted_at = (float(v) if v else None for v in raw[3:5])
         return Begun(outcome, previous, int(raw[2]), Timings(queued_at=queued_at, admitted_at=admitted_at,
-                                                               started_at=now))
+                                                               started_at=now), followed=bool(int(raw[5])))
 
     def count_fault(self, job_id: str) -> int:
         """Count a run of the job that an infrastructure fault ended (its engine raised);

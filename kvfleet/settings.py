@@ -498,9 +498,15 @@ class WorkerSettings:
     #: queues for another worker (workers/drain.py). docker-compose.yml's worker
     #: `stop_grace_period` is this plus a margin for the hand-back.
     drain_grace_s: float = knob(30.0, "WORKER_DRAIN_GRACE_S", float, lo=0)
-    #: Publish each job's text to its Redis Stream as it is generated (what
-    #: `GET /v1/jobs/{id}/stream` relays). Off: streams show each job's text at its end.
+    #: Publish each followed job's text to its Redis Stream as it is generated (what
+    #: `GET /v1/jobs/{id}/stream` and the OpenAI streams relay). Off: streams show each
+    #: job's text at its end.
     stream: bool = knob(True, "WORKER_STREAM", _bool)
+    #: Stream every job, followed or not (for readers of the Redis streams that do not go
+    #: through the API). Off: a job's stream is written once a client follows it, from
+    #: its text so far; jobs nobody follows cost no stream (about a tenth of long jobs'
+    #: throughput, docs/benchmarks.md).
+    stream_all: bool = knob(False, "WORKER_STREAM_ALL", _bool)
     #: Runs of one job an engine fault may end before the job fails (`worker_error`).
     #: Until then each faulted run goes back to its queue for any worker to run again;
     #: an input error fails at once.

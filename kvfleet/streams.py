@@ -6,6 +6,11 @@ the OpenAI routes). The job hash (kvfleet/jobstore.py) stays the truth; the stre
 low-latency view of it, so `follow` ends every stream from the hash, and a stream that
 lost entries (Redis errors on the worker, streaming turned off) still ends correctly.
 
+Only followed jobs are streamed: `follow` marks the job (`Keys.job_followed`), and a
+worker writes a job's stream from the moment it sees the mark, at the run's start or
+within its poll, starting with the text so far. A job nobody follows costs its worker no
+stream at all; one followed only after it ended is told from the hash, as above.
+
 Entries, in the order a worker writes them for one run ("attempt") of a job:
     start (attempt n) · delta · delta · … · end (attempt n)
 A job that is rerun (its worker died) gets a second `start` with attempt n + 1: its text
@@ -164,6 +169,10 @@ async def follow(client: aredis.Redis, keys: Keys, job_id: str, *, after: Option
     job = await _read_job(client, keys, job_id)
     if job is None:
         return
+    if not job.result.status.terminal:
+        # Workers write the streams of followed jobs only (workers/streaming.py): the
+        # job's worker sees this when the run begins, or within its poll if it runs now.
+        await client.set(keys.job_followed(job_id), 1, ex=constants.RESULT_TTL_S)
     progress = _Progress()
     made_up = _MADE_UP_ID.match(after) if after else None
     if after is not None:

@@ -155,3 +155,22 @@ def test_a_worker_killed_mid_stream_shows_as_a_rerun(make_fleet):
     assert text_of(events) == final["text"] == "".join(e.text for e in rerun)
     assert sum(len(e.token_ids) for e in rerun) == len(final["tokens"]) == 300
     assert int(fleet.redis.hget(fleet.keys.job(job_id), "attempts")) == 2
+
+
+def test_a_job_nobody_follows_has_no_stream_and_one_followed_midway_streams_the_rest(fleet):
+    quiet = fleet.submit(prompt_len=0, prompt_tokens=PROMPT, max_new_tokens=8, sampling=SAMPLING)
+    assert result(fleet, quiet)["status"] == "done"
+    assert fleet.redis.exists(fleet.keys.job_stream(quiet)) == 0  # the worker wrote none
+    job_id = fleet.submit(prompt_len=0, prompt_tokens=PROMPT, max_new_tokens=300, sampling=SAMPLING)
+    fleet.wait_for(lambda: httpx.get(f"{fleet.url}/v1/jobs/{job_id}", headers=TENANT).json()["status"] == "running",
+                   "the job running before anyone follows it")
+    events = events_of(read_sse(f"{fleet.url}/v1/jobs/{job_id}/stream", {}))
+    final = result(fleet, job_id)
+    assert events[0].kind == START and events[-1].kind == END and text_of(events) == final["text"]
+    # Streamed by the worker as it ran (real entry ids), not made up from the result.
+    real = [e for e in events if e.kind == DELTA and ":" not in e.id]
+    assert len(real) >= 2, [e.id for e in events]
+    assert sum(len(e.token_ids) for e in events) == len(final["tokens"]) == 300
+    # The quiet job, followed once it is done, is told from its result.
+    told = events_of(read_sse(f"{fleet.url}/v1/jobs/{quiet}/stream", {}))
+    assert text_of(told) == result(fleet, quiet)["text"] and told[-1].kind == END

@@ -259,7 +259,7 @@ class JobRunner:
             return Outcome("expired", job.job_id)
         self.watch.add(job.job_id, lease)
         log.info("running", extra={"job_id": job.job_id, "priority": job.priority.value, "tenant": job.tenant})
-        on_token = self._begin_stream(job, begun.attempt)
+        on_token = self._begin_stream(job, begun)
         try:
             # The API (or, for a job produced straight to Kafka, the scheduler) tokenized the
             # prompt; only a task sent by a scheduler from before that carries text.
@@ -317,12 +317,14 @@ class JobRunner:
                                 "at": at})
         return Outcome("done", job.job_id)
 
-    def _begin_stream(self, job: JobRequest, attempt: int) -> Optional[Callable[[int], None]]:
-        """Announce the run (2 and up: the job is rerun from scratch) on the job's stream;
-        the engine's per-token callback (None when this worker does not stream)."""
+    def _begin_stream(self, job: JobRequest, begun: Begun) -> Optional[Callable[[int], None]]:
+        """Announce the run (2 and up: the job is rerun from scratch) on the job's stream
+        if a client follows it (else the publisher keeps it quiet until one does); the
+        engine's per-token callback (None when this worker does not stream)."""
         if self.stream is None:
             return None
-        self.stream.begin(job.job_id, attempt, stop=job.sampling.stop, stop_token_ids=job.sampling.stop_token_ids)
+        self.stream.begin(job.job_id, begun.attempt, followed=begun.followed, stop=job.sampling.stop,
+                          stop_token_ids=job.sampling.stop_token_ids)
         return self.stream.on_token(job.job_id)
 
     def _end_stream(self, job_id: str, status: JobState, **fields) -> None:

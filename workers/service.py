@@ -85,7 +85,8 @@ def main() -> None:
 
     client = redis.Redis.from_url(settings.redis.url)
     store = JobStore(client, settings.redis.keys)
-    stream = StreamPublisher(client, settings.redis.keys, model.tokenizer).start() if settings.worker.stream else None
+    stream = StreamPublisher(client, settings.redis.keys, model.tokenizer,
+                             every_run=settings.worker.stream_all).start() if settings.worker.stream else None
     draining = threading.Event()  # set on SIGTERM (workers/drain.py)
     drain: Drain  # built below, once the heartbeat it withdraws exists
 

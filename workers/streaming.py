@@ -11,6 +11,16 @@ The runner, on the Celery task's thread, tells it when a run starts (`begin`) an
 (`end`); `end` returns once the end is written (or failed, or timed out), so the runner
 writes the result only after the stream's last text: a reader that sees the result
 terminal finds the stream complete.
+
+Only followed runs are written ("loud"; kvfleet/streams.py `follow` marks a job). Most
+jobs nobody follows (batch work, clients that poll), and writing their text cost long
+jobs about a tenth of the fleet's throughput (docs/benchmarks.md). A quiet run's tokens
+are only kept; every FOLLOW_POLL_S this thread asks, in one round trip, whether any of
+its quiet runs is followed now, and such a run turns loud: its `start`, then all its
+text so far in one delta, then deltas as usual. A quiet run's `end` returns at once
+(nothing to write; the follower of an unstreamed job is told from the hash). Whether a
+run is loud is decided under a lock shared with `end`, so a run never turns loud after
+its end was skipped.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
@@ -40,6 +51,10 @@ FLUSH_S = 0.02
 #: The longest `end` waits for its write, seconds: a Redis that does not answer delays
 #: a job's result by at most this (the result, not the stream, is the truth).
 END_TIMEOUT_S = 5.0
+#: How often quiet runs are checked for a follower, seconds: a client that starts
+#: following a running job waits at most this for its first text. (One that follows
+#: from the submission is seen when the run begins, by `JobStore.begin`.)
+FOLLOW_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,7 @@ class _Begin:
     attempt: int
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
+    loud: bool  # followed when it began: write its stream from its start
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,7 @@ class _End:
     usage: Optional[Usage]
     error: Optional[JobError]
     written: threading.Event
+    loud: bool  # its stream was written: write its rest and its end
 
 
 _Token = tuple  # (job_id, token_id): a plain tuple, the cheapest thing to build on the step thread
@@ -71,6 +88,7 @@ class _Run:
 
     attempt: int
     detokenizer: Detokenizer
+    loud: bool  # its stream is written (followed); quiet runs only keep their tokens
     tokens: list[int] = field(default_factory=list)  # generated since the last delta
     unread: list[int] = field(default_factory=list)  # not given to the detokenizer yet
     text: str = ""  # safe to send, not sent yet
@@ -83,13 +101,24 @@ class _Run:
 
 
 class StreamPublisher:
-    def __init__(self, client: redis.Redis, keys: Keys, tokenizer: Tokenizer, *, flush_s: float = FLUSH_S) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, tokenizer: Tokenizer, *, flush_s: float = FLUSH_S,
+                 follow_poll_s: float = FOLLOW_POLL_S, every_run: bool = False) -> None:
+        """`every_run`: write every run's stream, followed or not (for readers of the
+        Redis streams that do not go through `follow`)."""
         self.client = client
         self.keys = keys
         self.tokenizer = tokenizer
         self.flush_s = flush_s
+        self.follow_poll_s = follow_poll_s
+        self.every_run = every_run
         self._queue: "queue.SimpleQueue[Optional[_Item]]" = queue.SimpleQueue()  # unbounded: put never blocks
         self._runs: dict[str, _Run] = {}  # only this thread touches it
+        # Shared with the runners' threads: which runs are loud, and which quiet runs
+        # have ended (never to turn loud). Touched only under the lock.
+        self._lock = threading.Lock()
+        self._loud: set[str] = set()
+        self._quiet_ended: set[str] = set()
+        self._next_poll = 0.0  # monotonic time of the next check for followers
         self._ended = threading.Event()  # an end was queued: flush without waiting out flush_s
         self._thread = threading.Thread(target=self._loop, name="stream-publisher", daemon=True)
 
@@ -105,9 +134,15 @@ class StreamPublisher:
 
     # --- the runner's thread ------------------------------------------------------------
 
-    def begin(self, job_id: str, attempt: int, *, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = ()) -> None:
-        """A run of the job starts: its `start` event; `attempt` is the job hash's count."""
-        self._queue.put(_Begin(job_id, attempt, tuple(stop), tuple(stop_token_ids)))
+    def begin(self, job_id: str, attempt: int, *, followed: bool = True, stop: Sequence[str] = (),
+              stop_token_ids: Sequence[int] = ()) -> None:
+        """A run of the job starts; `attempt` is the job hash's count. Followed (or with
+        `every_run`): its `start` event now; else quiet until a follower shows up."""
+        loud = followed or self.every_run
+        if loud:
+            with self._lock:
+                self._loud.add(job_id)
+        self._queue.put(_Begin(job_id, attempt, tuple(stop), tuple(stop_token_ids), loud))
 
     def on_token(self, job_id: str) -> Callable[[int], None]:
         """The engine's per-token callback for the job (called on the step thread)."""
@@ -118,9 +153,17 @@ class StreamPublisher:
             usage: Optional[Usage] = None, error: Optional[JobError] = None, wait: bool = True) -> bool:
         """The run ended: send the rest of `text` (the job's final text) and the `end`
         event. With `wait`, returns once the write was tried (True; a failure is logged)
-        or after END_TIMEOUT_S (False)."""
+        or after END_TIMEOUT_S (False). A quiet run returns True at once: it has no
+        stream to end."""
+        with self._lock:
+            loud = job_id in self._loud
+            self._loud.discard(job_id)
+            if not loud:
+                self._quiet_ended.add(job_id)
         written = threading.Event()
-        self._queue.put(_End(job_id, status, text, finish_reason, usage, error, written))
+        self._queue.put(_End(job_id, status, text, finish_reason, usage, error, written, loud))
+        if not loud:
+            return True
         self._ended.set()
         return written.wait(END_TIMEOUT_S) if wait else False
 
@@ -129,7 +172,7 @@ class StreamPublisher:
     def _loop(self) -> None:
         stopping = False
         while not stopping:
-            items = self._drain([self._queue.get()])
+            items = self._drain(self._next_items())
             if not any(isinstance(item, _End) or item is None for item in items):
                 # Only tokens and starts: let a few engine steps' tokens gather, unless an
                 # end arrives meanwhile: its runner waits for it before the job's result.
@@ -142,6 +185,16 @@ class StreamPublisher:
             except Exception:  # noqa: BLE001 - a bug here must not end streaming for the process
                 log.exception("stream publisher: flush failed")
         log.info("stream publisher stopped")
+
+    def _next_items(self) -> list[Optional[_Item]]:
+        """The next item, waiting for it; with quiet runs, waiting no longer than the
+        next check for followers (then no item: the flush checks)."""
+        if not any(not run.loud for run in self._runs.values()):
+            return [self._queue.get()]
+        try:
+            return [self._queue.get(timeout=max(self._next_poll - time.monotonic(), 0.001))]
+        except queue.Empty:
+            return []
 
     def _drain(self, items: list[Optional[_Item]]) -> list[Optional[_Item]]:
         while True:
@@ -163,12 +216,16 @@ class StreamPublisher:
                         run.unread.append(token_id)
                 elif isinstance(item, _Begin):
                     self._runs[item.job_id] = _Run(item.attempt, Detokenizer(
-                        self.tokenizer, stop=item.stop, stop_token_ids=item.stop_token_ids))
-                    out.append((item.job_id, StreamEvent(id="", kind=streams.START, attempt=item.attempt)))
+                        self.tokenizer, stop=item.stop, stop_token_ids=item.stop_token_ids), item.loud)
+                    if item.loud:
+                        out.append((item.job_id, StreamEvent(id="", kind=streams.START, attempt=item.attempt)))
                 else:
                     ended.append(item.written)
                     out += self._end(item)
+            out += self._check_followers()
             for job_id, run in self._runs.items():
+                if not run.loud:
+                    continue
                 run.read()
                 delta = self._delta(run)
                 if delta is not None:
@@ -179,8 +236,38 @@ class StreamPublisher:
             for written in ended:
                 written.set()
 
+    def _check_followers(self) -> list[tuple[str, StreamEvent]]:
+        """Every FOLLOW_POLL_S, turn the quiet runs a client now follows loud: the
+        `start` of each (its text so far follows as its next delta)."""
+        quiet = [job_id for job_id, run in self._runs.items() if not run.loud]
+        now = time.monotonic()
+        if not quiet or now < self._next_poll:
+            return []
+        self._next_poll = now + self.follow_poll_s
+        try:
+            marks = self.client.mget([self.keys.job_followed(job_id) for job_id in quiet])
+        except redis.RedisError as exc:
+            log.warning("stream publisher: follower check failed", extra={"error": str(exc)})
+            return []
+        out = []
+        for job_id, mark in zip(quiet, marks):
+            if mark is None:
+                continue
+            with self._lock:
+                if job_id in self._quiet_ended:
+                    continue  # its runner skipped the end already: it stays unstreamed
+                self._loud.add(job_id)
+            run = self._runs[job_id]
+            run.loud = True
+            out.append((job_id, StreamEvent(id="", kind=streams.START, attempt=run.attempt)))
+        return out
+
     def _end(self, item: _End) -> list[tuple[str, StreamEvent]]:
         run = self._runs.pop(item.job_id, None)
+        if not item.loud:
+            with self._lock:
+                self._quiet_ended.discard(item.job_id)
+            return []  # never streamed: a follower is told from the hash
         if run is None:
             return []  # no `begin` for it: nothing was streamed, `follow` ends it from the hash
         run.read()
