@@ -12,6 +12,7 @@ layers take plain values from these objects.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -486,8 +487,9 @@ class EngineConfig:
 @dataclass(frozen=True)
 class WorkerSettings:
     metrics_port: int = knob(9102, "WORKER_METRICS_PORT", int, lo=0)  # 0 = no endpoint
-    #: Celery task threads feeding the engine. 0 = the engine's max_num_seqs, so the
-    #: tasks a worker takes are bounded by what its engine can run at once.
+    #: Celery task threads feeding the engine. 0 = the engine's max_num_seqs plus the
+    #: policy's high_slot_reserve of the threads (`Settings.worker_concurrency`): the
+    #: tasks a worker takes are what its engine can run at once, and room for high jobs.
     concurrency: int = knob(0, "WORKER_CONCURRENCY", int, lo=0)
     #: Seconds before Redis hands an unacknowledged task to another worker. It counts
     #: from *delivery*, not from start: a task that waits in a prefetch buffer longer
@@ -562,6 +564,19 @@ class Settings:
     #: second clone (CI's) reuses what the first downloaded.
     home: str = knob(str(Path.home() / ".cache" / "kvfleet"), "HOME")
     log_level: str = knob("INFO", "LOG_LEVEL", str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    @property
+    def worker_concurrency(self) -> int:
+        """A worker's Celery task threads (its heartbeat's `slots`): KVFLEET_WORKER_CONCURRENCY,
+        or by default enough that normal and low jobs fill the engine's max_num_seqs
+        while the policy's `high_slot_reserve` of the threads stays free for high jobs.
+        A high job that gets one of those threads while the engine is full preempts the
+        engine's lowest sequence (workers/engine/scheduler.py), so the reserve costs
+        high nothing; with threads equal to max_num_seqs it cost long jobs an eighth of
+        the fleet's throughput (a quarter of every batch empty; docs/benchmarks.md)."""
+        if self.worker.concurrency:
+            return self.worker.concurrency
+        return math.ceil(self.engine.max_num_seqs / (1.0 - self.policy.high_slot_reserve))
 
     def __post_init__(self) -> None:
         # The cold tier's blobs copy whole blocks of one dtype, K and V alike (kvstore/blob.py);

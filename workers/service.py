@@ -78,7 +78,7 @@ def main() -> None:
         generator = PrefixSharingEngine(engine, PrefixSharing(
             engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks,
             prefill_tokens_per_s=settings.cold_tier.prefill_tokens_per_s))
-    concurrency = settings.worker.concurrency or settings.engine.max_num_seqs
+    concurrency = settings.worker_concurrency
     log.info("model loaded", extra={"model": model.name, "device": str(model.device), "dtype": str(model.dtype),
                                     "fingerprint": model.fingerprint,
                                     "kv_capacity_tokens": engine.stats().capacity_tokens})
