@@ -155,6 +155,13 @@ class _Progress:
         return False  # an `end` held, or a second `start` of the same attempt
 
 
+async def mark_followed(client: aredis.Redis, keys: Keys, job_id: str) -> None:
+    """Ask the job's worker to write its stream: workers write followed jobs' streams
+    only (workers/streaming.py). Seen when the run begins, or within the worker's poll if
+    it runs already; `follow` calls it, and a streaming request before its job is queued."""
+    await client.set(keys.job_followed(job_id), 1, ex=constants.RESULT_TTL_S)
+
+
 async def follow(client: aredis.Redis, keys: Keys, job_id: str, *, after: Optional[str] = None,
                  poll_s: float = 1.0) -> AsyncIterator[StreamEvent]:
     """Every event of the job's stream after position `after` (None: from the beginning),
@@ -170,9 +177,7 @@ async def follow(client: aredis.Redis, keys: Keys, job_id: str, *, after: Option
     if job is None:
         return
     if not job.result.status.terminal:
-        # Workers write the streams of followed jobs only (workers/streaming.py): the
-        # job's worker sees this when the run begins, or within its poll if it runs now.
-        await client.set(keys.job_followed(job_id), 1, ex=constants.RESULT_TTL_S)
+        await mark_followed(client, keys, job_id)
     progress = _Progress()
     made_up = _MADE_UP_ID.match(after) if after else None
     if after is not None:

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from kvfleet import streams
 from kvfleet.modelinfo import load_model_info
 from kvfleet.chat import normalize_messages
 from tests.fleet import Fleet, running_fleet
@@ -63,9 +64,10 @@ def test_completion_is_a_job_found_by_its_id(client, fleet):
     assert done.system_fingerprint.startswith("fp_")
 
 
-def test_token_prompt_and_max_tokens(client):
+def test_token_prompt_and_max_tokens(client, fleet):
     done = client.completions.create(model=MODEL, prompt=[256, 72, 105], max_tokens=5, temperature=0)
     assert done.usage.prompt_tokens == 3 and done.usage.completion_tokens <= 5
+    assert fleet.redis.exists(fleet.keys.job_stream(done.id)) == 0  # nobody followed it: no stream written
 
 
 def test_chat_completion_uses_the_template(client, fleet):
@@ -87,6 +89,9 @@ def test_streams_concatenate_to_the_final_text(client, fleet):
     assert text == final["text"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == final["usage"]["completion_tokens"]
+    # Marked followed before it was queued: its worker streamed it from its start.
+    entries = fleet.redis.xrange(fleet.keys.job_stream(final["job_id"]))
+    assert entries and streams.decode_entry(entries[0][0].decode(), entries[0][1]).kind == streams.START
 
     chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
                                                max_tokens=16, temperature=0, stream=True))

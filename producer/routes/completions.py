@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvfleet.contracts import JobState, Priority
 from kvfleet.tenancy import Tenant
-from kvfleet.streams import follow
+from kvfleet.streams import follow, mark_followed
 from producer import ratelimit
 from producer.context import ApiContext, context
 from producer.openai import relay, requests, responses
@@ -87,6 +87,10 @@ async def _answer(request: Request, kind: type[Union[CompletionRequest, ChatComp
                              default_max_tokens=lambda prompt: _default_max_tokens(ctx, tenant, priority, prompt))
     job = await build_request_off_loop(submission, ctx.model, tenant=tenant.name, priority=priority, now=time.time(),
                                        default_timeout_s=ctx.settings.api.default_timeout_s, names=names)
+    if openai_request.stream:
+        # Before the job is queued: its worker then streams it from the first token
+        # (after, a fast fleet could begin the run first and stream it a poll later).
+        await mark_followed(ctx.async_redis, ctx.settings.redis.keys, job.job_id)
     await submit(ctx, tenant, job, client_id=job_id is not None, output_field=names.max_new_tokens)
     headers = await ratelimit.headers(ctx, tenant)
     deadline = (job.deadline or time.time() + ctx.settings.api.default_timeout_s) + DEADLINE_GRACE_S
