@@ -1,7 +1,7 @@
 """Scheduler benchmark: kvfleet's admission policy against FIFO and strict priority,
 replayed through the simulator (bench/sim/simulator.py) with a virtual clock.
 
-    python bench/scheduler.py [--quick] [--seeds N] [--out bench/results]
+    python bench/scheduler.py [--quick] [--seeds N] [--first-seed K] [--out bench/results]
 
 Fleet: 4 workers × 32k KV tokens, 16 task threads each, each running its engine's
 continuous batch step by step, a step taking a + b·n_tokens (bench/sim/simulator.py
@@ -159,9 +159,9 @@ def workload(seed: int, scenario: str) -> Workload:
                     service=SERVICE, oversize=0.0)
 
 
-def run(scenario: str, seeds: int) -> dict[str, list[SimResult]]:
+def run(scenario: str, seeds: range) -> dict[str, list[SimResult]]:
     results: dict[str, list[SimResult]] = {p.name: [] for p in POLICIES}
-    for seed in range(seeds):
+    for seed in seeds:
         w = workload(seed, scenario)
         jobs = make_jobs(w)
         for policy in POLICIES:
@@ -170,10 +170,10 @@ def run(scenario: str, seeds: int) -> dict[str, list[SimResult]]:
     return results
 
 
-def high_alone(seeds: int) -> float | None:
+def high_alone(seeds: range) -> float | None:
     """High p99 end to end under the burst with only the high jobs (see the docstring)."""
     e2e = []
-    for seed in range(seeds):
+    for seed in seeds:
         w = workload(seed, "burst")
         jobs = [j for j in make_jobs(w) if j.priority is Priority.HIGH]
         result = simulate(StrictPriorityPolicy(CONFIG, TENANTS), jobs, capacity=w.capacity_tokens, service=w.service)
@@ -624,6 +624,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 seeds instead of 10")
     parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--decode-step-slack", type=float, default=None,
+                        help="the engines' decode_step_slack (default: EngineConfig's); for sweeps")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds first-seed .. first-seed + seeds - 1 (another draw of the same workload)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--sim-only", action="store_true", help="skip live_dispatch (no Kafka needed)")
     parser.add_argument("--live-only", action="store_true", help="only live_dispatch; print, write nothing")
@@ -634,25 +638,30 @@ def main() -> None:
         print(json.dumps(live_dispatch(**live_sizes), indent=2))
         return
     seeds = args.seeds or (3 if args.quick else 10)
+    seed_range = range(args.first_seed, args.first_seed + seeds)
+    if args.decode_step_slack is not None:
+        global SERVICE
+        SERVICE = dataclasses.replace(SERVICE, decode_step_slack=args.decode_step_slack)
     args.out.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
-    runs = {scenario: run(scenario, seeds) for scenario in SCENARIOS}
+    runs = {scenario: run(scenario, seed_range) for scenario in SCENARIOS}
     policies = {name: summarize(runs["burst"][name], runs["unloaded"][name]) for name in runs["burst"]}
     best_baseline = max(policies[b]["goodput_tokens_per_s"] for b in BASELINES)
     best = max(s["goodput_tokens_per_s"] for s in policies.values())
     for s in policies.values():
         s["goodput_over_best_baseline"] = s["goodput_tokens_per_s"] / best_baseline
         s["misses"] = misses(s, best)
-    report: dict = {"seeds": seeds, "service": {"a_s": SERVICE.a_s, "b_s_per_token": SERVICE.b_s_per_token,
-                                                 "workers": SERVICE.workers},
+    report: dict = {"seeds": seeds, "first_seed": args.first_seed,
+                    "service": {"a_s": SERVICE.a_s, "b_s_per_token": SERVICE.b_s_per_token,
+                                "workers": SERVICE.workers, "decode_step_slack": finite(SERVICE.decode_step_slack)},
                     "low_aging_bound_s": LOW_AGING_BOUND_S}
     for name, s in policies.items():
         for key in ("high_p99_over_unloaded", "jain_vs_quota", "goodput_over_best_baseline", "low_p99_wait_s",
                     "low_p99_wait_compliant_s"):
             report[f"{name}_{key}"] = s[key]
     kv = policies["kvfleet"]
-    alone = high_alone(seeds)
+    alone = high_alone(seed_range)
     report.update(high_alone_e2e_p99_s=finite(alone),
                   high_alone_p99_over_unloaded=finite(alone / kv["high_e2e_p99_unloaded_s"]))
     report.update(targets_met=not kv["misses"], kvfleet_misses=kv["misses"], policies=policies,

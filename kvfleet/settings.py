@@ -452,11 +452,13 @@ class EngineConfig:
     #: within this much of the decodes' work alone (predicted as for the guard above),
     #: at least one. Every decode waits the whole step for its one token, so this bounds
     #: its time per token while prompts arrive; the prompts are spread over more steps.
-    #: 8: a step at most 9x its decodes alone, about 40 prefill tokens beside one decode
-    #: and 160 beside 16 at builtin:bench's CPU cost (a = 3 ms, b = 0.78 ms a token), the
-    #: best of bench/scheduler.py's sweep (docs/benchmarks.md); on a GPU, where a token
-    #: costs almost nothing, nearly no limit. `inf`: prefills take the whole budget.
-    decode_step_slack: float = knob(8.0, "DECODE_STEP_SLACK", float, lo=0)
+    #: A prompt with no decode ahead of it in service order (a high request beside batch
+    #: lines) is not held to it. 2: a step at most 3x its decodes alone, about 9 prefill
+    #: tokens beside one decode and 39 beside 16 at builtin:bench's CPU cost (a = 3 ms,
+    #: b = 0.78 ms a token), the best of bench/scheduler.py's sweep (docs/benchmarks.md);
+    #: on a GPU, where a token costs almost nothing, nearly no limit. `inf`: prefills
+    #: take the whole budget.
+    decode_step_slack: float = knob(2.0, "DECODE_STEP_SLACK", float, lo=0)
     #: Speculative decoding (workers/engine/spec.py) for requests whose
     #: `Sampling.speculative` is None: prompt-lookup drafts verified in one forward. The
     #: same output (greedy exactly, sampling in distribution), faster when the output

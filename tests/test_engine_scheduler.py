@@ -41,11 +41,11 @@ CPU = FixedCost(a=0.004, b=0.0001)
 SLACK = 1.6
 
 
-def seq(rid: str, prompt_len: int, max_new: int = 64) -> Sequence:
+def seq(rid: str, prompt_len: int, max_new: int = 64, rank: int = 1) -> Sequence:
     order = next(_order)
     # Distinct prompts (no prefix shared through the block cache): each starts with its own token.
-    return Sequence(rid, [1000 + order] + list(range(1, prompt_len)), max_new, Sampling(), priority_rank=1, stop=(),
-                    ignore_eos=True, arrival_order=order)
+    return Sequence(rid, [1000 + order] + list(range(1, prompt_len)), max_new, Sampling(), priority_rank=rank,
+                    stop=(), ignore_eos=True, arrival_order=order)
 
 
 def scheduler(*, slack: float = SLACK, budget: int = 2048, step_cost: StepCost = CPU) -> Scheduler:
@@ -109,6 +109,37 @@ def test_new_prompts_share_the_bound_and_wait_for_the_next_step_past_it():
     assert [q.request_id for q in s.waiting] == ["p3"]
     # Then two decode (67 beside them): p2 ends its prompt (15) and p3 fits whole (40).
     assert tokens(run(s)) == {"decoder": 1, "p1": 1, "p2": 15, "p3": 40}
+
+
+def test_a_prompt_that_outranks_every_decode_takes_the_whole_budget():
+    """The bound spares the decodes ahead of a prompt in service order: a high prompt
+    beside batch lines' decodes is not spread over steps for their sake."""
+    s = scheduler()
+    s.add(seq("batch", prompt_len=8, rank=2))
+    run(s)
+    s.add(seq("online", prompt_len=500, rank=0))
+    assert tokens(run(s)) == {"online": 500, "batch": 1}
+
+
+def test_a_decode_ahead_holds_the_prompt_to_the_bound_of_all_the_decodes():
+    s = scheduler()
+    for rid, rank in (("online-decoder", 0), ("batch", 2)):
+        s.add(seq(rid, prompt_len=8, rank=rank))
+    run(s)
+    s.add(seq("online", prompt_len=200, rank=0))
+    # An online decode is ahead of it: 67 tokens, the bound beside two decodes.
+    assert tokens(run(s)) == {"online-decoder": 1, "online": 67, "batch": 1}
+
+
+def test_prompts_behind_the_decodes_share_what_an_outranking_prompt_left():
+    s = scheduler()
+    s.add(seq("batch-decoder", prompt_len=8, rank=2))
+    run(s)
+    s.add(seq("online", prompt_len=50, rank=0))
+    s.add(seq("batch", prompt_len=40, rank=2))
+    # online, ahead of the decode, takes 50; the batch prompt, behind it, gets the 15
+    # left of the bound of 65 the step's prefill may hold beside one decode.
+    assert tokens(run(s)) == {"online": 50, "batch-decoder": 1, "batch": 15}
 
 
 @pytest.mark.parametrize("slack, step_cost", [(math.inf, CPU), (SLACK, StepCost()),  # off; no fit yet

@@ -110,6 +110,18 @@ def test_prompts_beside_decodes_take_only_the_decode_step_slack():
     assert free["b0"] == pytest.approx(free["b1"] + 27 * 10 * b, abs=1e-12)
 
 
+def test_a_prompt_ahead_of_every_decode_is_not_held_to_the_slack():
+    """As the engine: the stall-free bound spares the decodes ahead of a prompt in service
+    order, so a high prompt beside a low job's decodes goes into one step."""
+    b = 1 / 1024
+    service = BatchService(a_s=9 * b, b_s_per_token=b, workers=1, decode_step_slack=1.0)
+    decoder = _batch_job(0, Priority.LOW, prompt=1, new=30)
+    prompt = _batch_job(1, Priority.HIGH, prompt=600, new=1, t=0.001)
+    done = _finished([decoder, prompt], service)
+    # Two steps of 10b, then the whole prompt beside the decode (9b + 601b).
+    assert done["b1"] == pytest.approx(20 * b + 610 * b, abs=1e-12)
+
+
 def test_the_priority_guard_holds_lower_classes_back_while_high_runs():
     """The engine's guard (workers/engine/scheduler.py): while a high job is in the
     engine, lower classes get only the tokens that keep its steps within the slack."""

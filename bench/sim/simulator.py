@@ -62,7 +62,8 @@ class BatchService:
     are prefilled in chunks of the step's `max_num_batched_tokens`, decoding sequences
     take one token a step, while any decodes the prompts' chunks together take the
     tokens that keep the step within `decode_step_slack` of the decodes alone (at least
-    one), and the priority guard holds lower classes back while a
+    one; a prompt with no decode ahead of it in service order is not held to it), and
+    the priority guard holds lower classes back while a
     better class is in the engine: they share an allowance of the tokens that keep the
     step within `priority_step_slack` of the best class's work alone (at least one a
     step). Not modelled: preemption (the engine's block pool is never short here: the
@@ -276,13 +277,15 @@ class _Worker:
         served first; then, while it is there, the lower classes share an allowance of
         the tokens that keep the step within `priority_step_slack` of the best class's
         work alone (StepCost.extra_tokens, with the service's a and b as the fit), at
-        least one, handed out in service order; the prompts' chunks within the prefill
-        budget (`_prefill_budget`); everything within the step's
+        least one, handed out in service order; the chunks of prompts with a decode ahead of
+        them within the stall-free bound (`_prefill_bound`); everything within the step's
         `max_num_batched_tokens` (a long prompt is prefilled in chunks)."""
         s = self.service
         top = self.running[0].key[0]
         budget = s.max_num_batched_tokens
-        prefill = self._prefill_budget()
+        prefilled = 0  # prefill tokens granted so far: they count against each next limit
+        decode_ahead = False  # a decoding sequence ahead in service order
+        bound = self._prefill_bound()
         grants = []
         allowance: Optional[int] = None
         for seq in self.running:
@@ -291,20 +294,23 @@ class _Worker:
                 allowance = max(1, int(s.priority_step_slack * alone / s.b_s_per_token))
             n = min(seq.wanted, budget)
             if seq.prompt_left:
-                n = min(n, prefill)
+                n = min(n, max((bound if decode_ahead else s.max_num_batched_tokens) - prefilled, 0))
             if allowance is not None:
                 n = min(n, allowance)
                 allowance -= n
             if seq.prompt_left:
-                prefill -= n
+                prefilled += n
+            else:
+                decode_ahead = True
             budget -= n
             grants.append(n)
         return grants
 
-    def _prefill_budget(self) -> int:
+    def _prefill_bound(self) -> int:
         """The engine's stall-free decodes: while sequences decode, the prompts' chunks
         together take the tokens that keep the step within `decode_step_slack` of the
-        decodes alone (StepCost.extra_tokens), at least one; else the whole budget."""
+        decodes alone (StepCost.extra_tokens), at least one; but only the prompts with a
+        decode ahead of them in service order are held to it (`grants`)."""
         s = self.service
         decoding = sum(not seq.prompt_left for seq in self.running)
         if not decoding or math.isinf(s.decode_step_slack) or s.b_s_per_token <= 0:

@@ -8,13 +8,16 @@ budget allow, so prefills and decodes share one step (a mixed batch).
 
 Stall-free decodes: while sequences are decoding, a step's prefill chunks together (new
 prompts, the rest of a prompt, a preempted sequence's recomputation) take only as many
-tokens as keep the step within `decode_step_slack` of the decodes' work alone (StepCost),
-and never fewer than one. Every decoding sequence waits the whole step for its one token,
-so the prefill beside it sets its time per output token; held to a bound, a burst of long
-prompts is spread over many steps instead of stalling every decode for whole-budget
-chunks (Sarathi-Serve's stall-free batching, with a time budget instead of a token one:
-on a GPU, where a token costs almost nothing, it is no limit). With nothing decoding, or
-no fit yet, prefills take the whole budget.
+tokens as keep the step within `decode_step_slack` of the decodes' work alone
+(StepCost), and never fewer than one. Every decoding sequence waits the whole step for
+its one token, so the prefill beside it sets its time per output token; held to a bound,
+a burst of long prompts is spread over many steps instead of stalling every decode for
+whole-budget chunks (Sarathi-Serve's stall-free batching, with a time budget instead of
+a token one: on a GPU, where a token costs almost nothing, it is no limit). The bound
+holds a prompt back only for decodes ahead of it in service order: a high-priority
+prompt with only batch lines decoding is not spread over many steps to spare decodes it
+outranks (the priority guard below bounds what those get beside it). With no decode
+ahead, or no fit yet, a prefill takes the whole budget.
 
 When a decoding sequence needs a new block and none is free, the sequence last in
 service order (lowest priority, newest) is preempted: its blocks are released and it
@@ -101,7 +104,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         self._preempt_for_waiting()
         top = self._top_rank()
-        step = _Step(self.max_num_batched_tokens, self._prefill_budget())
+        step = _Step(self.max_num_batched_tokens, self._prefill_limits())
         self._schedule_running(step, lambda seq: seq.priority_rank <= top)
         self._admit_waiting(step, max_rank=top)
         if self._has_lower(top):
@@ -112,12 +115,21 @@ class Scheduler:
             self.guarded_steps += 1
         return ScheduledBatch(step.seqs, step.counts, step.drafts)
 
-    def _prefill_budget(self) -> int:
-        """Prefill tokens the next step may compute: while sequences decode, those that
-        keep the step within `decode_step_slack` of their tokens alone."""
+    def _prefill_limits(self) -> "_PrefillLimits":
+        """The stall-free bound of the next step: while sequences decode, the prefill
+        tokens that keep the step within `decode_step_slack` of their tokens alone; but
+        a prompt with no decode ahead of it in service order takes the whole budget."""
+        keys = [seq.sort_key for seq in self.running]  # sorted: the running list's order
+        first_decode = next((i for i, seq in enumerate(self.running) if seq.is_decoding), None)
         decoding = sum(seq.is_decoding for seq in self.running)
         extra = self.step_cost.extra_tokens(decoding, self.decode_step_slack) if decoding else None
-        return self.max_num_batched_tokens if extra is None else min(extra, self.max_num_batched_tokens)
+        bound = self.max_num_batched_tokens if extra is None else min(extra, self.max_num_batched_tokens)
+
+        def limit(seq: Sequence) -> int:
+            ahead = first_decode is not None and bisect.bisect_left(keys, seq.sort_key) > first_decode
+            return bound if ahead else self.max_num_batched_tokens
+
+        return limit
 
     def _top_rank(self) -> int:
         """The best class with work: it sets the pace of the step."""
@@ -137,7 +149,7 @@ class Scheduler:
             wanted = seq.num_uncomputed_tokens
             prefill = not seq.is_decoding  # a prompt's chunk or a recomputation: within the prefill budget
             drafts = self._propose(seq, step.budget - wanted)
-            n = step.grant(wanted + len(drafts), prefill=prefill)
+            n = step.grant(wanted + len(drafts), prefill=seq if prefill else None)
             if n == 0:
                 continue  # held back a step: by the guard (a lower class) or the prefill bound
             if not self._make_room(seq):
@@ -162,7 +174,7 @@ class Scheduler:
                 return
             if not self.block_manager.can_allocate(seq):
                 return  # head of line waits: admitting smaller ones behind it would starve it
-            n = step.grant(seq.num_uncomputed_tokens, prefill=True)
+            n = step.grant(seq.num_uncomputed_tokens, prefill=seq)
             if n == 0:
                 return
             self._admit(seq)
@@ -286,27 +298,35 @@ class Scheduler:
         self.add(seq)
 
 
-class _Step:
-    """One step being assembled: its sequences, their tokens, and what is left of the
-    step's token budget, of its prefill budget, and of the lower classes' allowance
-    (None: no allowance set)."""
+#: A prefilling sequence -> the prefill tokens a step may hold with it (the stall-free bound).
+_PrefillLimits = Callable[[Sequence], int]
 
-    def __init__(self, budget: int, prefill_budget: int) -> None:
+
+class _Step:
+    """One step being assembled: its sequences, their tokens, what is left of the step's
+    token budget and of the lower classes' allowance (None: no allowance set), and the
+    prefill tokens granted so far, which count against each next prefill's limit."""
+
+    def __init__(self, budget: int, prefill_limits: _PrefillLimits) -> None:
         self.seqs: list[Sequence] = []
         self.counts: list[int] = []
         self.drafts: list[list[int]] = []
         self.budget = budget
-        self.prefill_budget = prefill_budget
+        self.prefill_limits = prefill_limits
+        self.prefill_tokens = 0
         self.num_tokens = 0
         self.lower_allowance: int | None = None
         self.preempted = False
         self.held_back = False
 
-    def grant(self, wanted: int, *, prefill: bool = False) -> int:
+    def grant(self, wanted: int, *, prefill: Sequence | None = None) -> int:
         """Tokens a sequence that wants `wanted` may compute in this step (0: none):
-        bounded by the step's budget, a prefill's also by the prefill budget, and, once
-        set, taken from the lower classes' allowance. `add` spends the budgets."""
-        n = min(wanted, self.budget, self.prefill_budget if prefill else wanted)
+        bounded by the step's budget, a prefill's (`prefill`: the sequence) also by its
+        stall-free limit less the prefill tokens already granted, and, once set, taken
+        from the lower classes' allowance. `add` spends the budgets."""
+        n = min(wanted, self.budget)
+        if prefill is not None:
+            n = min(n, max(self.prefill_limits(prefill) - self.prefill_tokens, 0))
         if self.lower_allowance is not None:
             if self.lower_allowance < n:
                 self.held_back = True
@@ -325,5 +345,5 @@ class _Step:
         self.drafts.append(drafts or [])
         self.budget -= n
         if prefill:
-            self.prefill_budget -= n
+            self.prefill_tokens += n
         self.num_tokens += n
