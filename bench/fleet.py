@@ -389,8 +389,11 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
     try:
         fleet.start("api")
         fleet.start("scheduler")
-        for _ in range(args.workers):
-            fleet.start("worker")
+        metrics_urls = []
+        for _ in range(args.workers):  # each with its metrics endpoint: the engines' clocks
+            port = free_port()
+            fleet.start("worker", env={"KVFLEET_WORKER_METRICS_PORT": str(port)})
+            metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
         fleet.wait_ready(workers=args.workers)
         pids = {**{name: proc.pid for name, proc in fleet.procs.items()}, **fleet_jobs.infra_pids(infra)}
         over = fleet_jobs.overhead(fleet.url, API_KEY, 15 if args.quick else 40, seed=99, log_dir=log_dir)
@@ -401,7 +404,7 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         for n in lengths:
             run = fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",
                                            fleet_jobs.prompts(counts[n], seed=n), n, label=f"{n}-token jobs",
-                                           pids=pids, log_dir=log_dir)
+                                           pids=pids, log_dir=log_dir, metrics_urls=metrics_urls)
             fleet_runs[n] = run
             print(f"[bench] fleet, {counts[n]} jobs of {n} tokens: {run['jobs_per_s']:.0f} jobs/s "
                   f"{run['tokens_per_s']:.0f} tokens/s, {run['done']} done, {run['runs_beyond_one']} reruns "
@@ -448,11 +451,15 @@ def print_job_path(jobs: dict) -> None:
     print(f"short (1-token) fleet/engine {jobs['short_jobs_fleet_over_engine']:.2f} (target >= 0.5); long "
           f"(128-token, tokens/s) {jobs['long_jobs_fleet_over_engine']:.2f} (target >= 0.9)")
     for r in jobs["by_output_length"]:
-        hops = r["fleet"].get("every_hop_median_ms")
+        hops, means = r["fleet"].get("every_hop_median_ms"), r["fleet"].get("every_hop_mean_ms") or {}
         if hops:
-            print(f"\n{r['max_new_tokens']}-token jobs under load, every hop (median ms)")
+            print(f"\n{r['max_new_tokens']}-token jobs under load, every hop (ms)  {'median':>9} {'mean':>9}")
             for hop, ms in hops.items():
-                print(f"  {hop:66} {ms:9.1f}")
+                print(f"  {hop:66} {ms:9.1f} {means.get(hop, float('nan')):9.1f}")
+        if "engine_step_share" in r["fleet"]:
+            f = r["fleet"]
+            print(f"  the engines: {f['engine_step_share']:.0%} of the run in steps; a step's wall time "
+                  f"{f['engine_step_wall_over_cpu']:.1f}x its step thread's CPU time")
     o = jobs["overhead"]
     print(f"\none 1-token job on the idle fleet (median ms of {o['jobs']}); overhead p50 "
           f"{o['overhead_p50_ms']:.1f} ms (target <= 10), p90 {o['overhead_p90_ms']:.1f} ms")

@@ -198,23 +198,52 @@ def moments(log_dir: Path, got: dict[str, JobResult], arrived: dict[str, float])
     return out
 
 
-def hop_medians(per_job: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Median ms of each hop over the jobs that have both of its moments."""
+def hop_medians(per_job: dict[str, dict[str, float]], average=statistics.median) -> dict[str, float]:
+    """Median ms (or `average`'s) of each hop over the jobs that have both of its moments."""
     out = {}
     for name, a, b in HOPS:
         spans = [m[b] - m[a] for m in per_job.values() if m.get(a) is not None and m.get(b) is not None]
-        out[name] = 1000 * statistics.median(spans) if spans else float("nan")
+        out[name] = 1000 * average(spans) if spans else float("nan")
     return out
+
+
+#: The engine's own clocks, summed over the workers (workers/engine/metrics.py).
+ENGINE_CLOCKS = ("kvfleet_engine_step_seconds_sum", "kvfleet_engine_step_cpu_seconds_total")
+
+
+def engine_clocks(metrics_urls: Sequence[str]) -> dict[str, float]:
+    """ENGINE_CLOCKS, each summed over the workers' metrics endpoints."""
+    total = dict.fromkeys(ENGINE_CLOCKS, 0.0)
+    for url in metrics_urls:
+        for line in httpx.get(url, timeout=5).text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name in total:
+                total[name] += float(value)
+    return total
+
+
+def engine_shares(before: dict[str, float], after: dict[str, float], wall_s: float, workers: int) -> dict:
+    """Where the engines' time went during a run: the share of it in steps (the rest the
+    step loops waited for work, or scheduled and delivered), and a step's wall time over
+    its thread's CPU time (above 1: the step waited, in a worker for the GIL its other
+    threads held, or for a core)."""
+    step = after["kvfleet_engine_step_seconds_sum"] - before["kvfleet_engine_step_seconds_sum"]
+    cpu = after["kvfleet_engine_step_cpu_seconds_total"] - before["kvfleet_engine_step_cpu_seconds_total"]
+    return {"engine_step_share": step / (wall_s * workers),
+            "engine_step_wall_over_cpu": step / cpu if cpu else float("nan")}
 
 
 def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, model: str,
                   jobs: Sequence[list[int]], max_new_tokens: int, *, label: str,
-                  pids: dict[str, int] | None = None, log_dir: Path | None = None) -> dict:
+                  pids: dict[str, int] | None = None, log_dir: Path | None = None,
+                  metrics_urls: Sequence[str] = ()) -> dict:
     """Produce every job to Kafka at once; wait for every result on the results topic.
     With `pids` ({name: pid}), also the CPU ms per job each of those processes spent;
-    with `log_dir` (the fleet's logs), the median of each of its `HOPS`."""
+    with `log_dir` (the fleet's logs), the median and the mean of each of its `HOPS`;
+    with `metrics_urls` (the workers' /metrics), `engine_shares`."""
     results = Results(bootstrap, results_topic)
     cpu_before = cpu_seconds(pids or {})
+    clocks_before = engine_clocks(metrics_urls)
     producer = make_producer(KafkaSettings(bootstrap=bootstrap), client_id="bench-fleet-jobs")
     try:
         now = time.time()
@@ -234,17 +263,20 @@ def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, m
         producer.close(timeout=5)
         results.close()
     cpu_after = cpu_seconds(pids or {})
+    engine = engine_shares(clocks_before, engine_clocks(metrics_urls), wall, len(metrics_urls)) if metrics_urls else {}
     done = [r for r in got.values() if r.status is JobState.DONE]
     tokens = sum(len(r.tokens) for r in done)
     attempts = [r.attempt for r in done]
     hops = {name: 1000 * statistics.median(getattr(r.timings, b) - getattr(r.timings, a) for r in done)
             for name, a, b in LOAD_HOPS} if done else {}
-    every_hop = {}
+    every_hop, every_hop_mean = {}, {}
     if log_dir is not None and done:
         time.sleep(1.0)  # the workers log a job's "done" line just after the result it waits on
-        every_hop = hop_medians(moments(log_dir, {r.job_id: r for r in done}, results.arrived))
+        per_job = moments(log_dir, {r.job_id: r for r in done}, results.arrived)
+        every_hop, every_hop_mean = hop_medians(per_job), hop_medians(per_job, statistics.fmean)
     return {"jobs": len(requests), "done": len(done), "tokens": tokens, "wall_s": wall, "produce_s": produced,
-            "hops_median_ms": hops, "every_hop_median_ms": every_hop,
+            "hops_median_ms": hops, "every_hop_median_ms": every_hop, "every_hop_mean_ms": every_hop_mean,
+            **engine,
             "jobs_per_s": len(requests) / wall, "tokens_per_s": tokens / wall,
             "runs_beyond_one": sum(max(0, a - 1) for a in attempts),
             "cpu_ms_per_job": {name: 1000 * (cpu_after[name] - cpu_before[name]) / len(requests)

@@ -228,3 +228,17 @@ def test_metrics_count_generated_tokens_and_prefix_hits(tiny):
     assert value("kvfleet_engine_prefix_cache_hits_total") - hits0 == 3  # 57 tokens: 3 full blocks reused
     assert value("kvfleet_engine_time_to_first_token_seconds_count") - ttft0 == 2
     assert value("kvfleet_engine_kv_blocks_used") == 0
+
+
+def test_metrics_time_the_steps_on_the_clock_and_on_the_step_thread(tiny):
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    wall0, cpu0 = value("kvfleet_engine_step_seconds_sum"), value("kvfleet_engine_step_cpu_seconds_total")
+    with Engine(tiny, EngineConfig(num_blocks=128)) as engine:
+        engine.generate("a", list(range(3, 60)), 10, ignore_eos=True)
+    wall, cpu = value("kvfleet_engine_step_seconds_sum") - wall0, value("kvfleet_engine_step_cpu_seconds_total") - cpu0
+    assert 0 < cpu
+    # The step thread's CPU time over the same spans as the wall time: never more (one
+    # thread, the clocks' resolutions apart).
+    assert cpu <= wall + 0.001 * 10

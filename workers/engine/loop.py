@@ -97,10 +97,11 @@ class StepLoop:
         metrics.PRIORITY_GUARDED_STEPS.inc(self.scheduler.guarded_steps - guarded)
         metrics.PRIORITY_PREEMPTIONS.inc(self.scheduler.num_priority_preemptions - preempted)
         if batch.seqs:  # empty only when the one running sequence preempted itself
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             failpoints.hit("engine.step")  # a fault injected by tests and chaos runs (kvfleet/failpoints.py)
             sampled = self.runner.run(batch)  # returns host tokens: the device is done
             elapsed = time.perf_counter() - started
+            metrics.STEP_CPU_SECONDS.inc(time.thread_time() - cpu_started)
             self.scheduler.step_cost.observe(batch.num_tokens, elapsed)
             metrics.STEP_SECONDS.observe(elapsed)
             drafted, accepted = self.scheduler.spec_draft_tokens, self.scheduler.spec_accepted_tokens

@@ -35,6 +35,13 @@ STEP_SECONDS = Histogram(
     "kvfleet_engine_step_seconds", "Wall time of one engine step (the model's forward and sampling)",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+# Against kvfleet_engine_step_seconds_sum: a step whose wall time is several times its
+# thread's CPU time spent the rest waiting, in a Python process for the GIL that the
+# worker's other threads hold (docs/operations.md, "Reading the engine's metrics").
+STEP_CPU_SECONDS = Counter(
+    "kvfleet_engine_step_cpu_seconds",
+    "CPU time of the step thread in engine steps (the model's forward and sampling)",
+)
 PRIORITY_GUARDED_STEPS = Counter(
     "kvfleet_engine_priority_guarded_steps",
     "Steps in which lower classes' tokens were held back to keep a higher class's step short",
