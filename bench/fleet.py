@@ -404,7 +404,8 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         for n in lengths:
             run = fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",
                                            fleet_jobs.prompts(counts[n], seed=n), n, label=f"{n}-token jobs",
-                                           pids=pids, log_dir=log_dir, metrics_urls=metrics_urls)
+                                           pids=pids, log_dir=log_dir, metrics_urls=metrics_urls,
+                                           ledger=(infra["redis-state"], fleet.keys.ledger))
             fleet_runs[n] = run
             print(f"[bench] fleet, {counts[n]} jobs of {n} tokens: {run['jobs_per_s']:.0f} jobs/s "
                   f"{run['tokens_per_s']:.0f} tokens/s, {run['done']} done, {run['runs_beyond_one']} reruns "
@@ -460,6 +461,10 @@ def print_job_path(jobs: dict) -> None:
             f = r["fleet"]
             print(f"  the engines: {f['engine_step_share']:.0%} of the run in steps; a step's wall time "
                   f"{f['engine_step_wall_over_cpu']:.1f}x its step thread's CPU time")
+        if "ledger_jobs_p50" in r["fleet"]:
+            f = r["fleet"]
+            print(f"  jobs holding a reservation (slots taken): p50 {f['ledger_jobs_p50']}, p90 {f['ledger_jobs_p90']}, "
+                  f"max {f['ledger_jobs_max']}")
     o = jobs["overhead"]
     print(f"\none 1-token job on the idle fleet (median ms of {o['jobs']}); overhead p50 "
           f"{o['overhead_p50_ms']:.1f} ms (target <= 10), p90 {o['overhead_p90_ms']:.1f} ms")

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import statistics
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Callable, Iterator, Sequence
 
 import httpx
 import msgspec
+import redis
 
 from kvfleet.contracts import JobRequest, JobResult, JobState, Priority, Sampling, decode_result, encode
 from kvfleet.kafka import make_producer
@@ -233,17 +235,45 @@ def engine_shares(before: dict[str, float], after: dict[str, float], wall_s: flo
             "engine_step_wall_over_cpu": step / cpu if cpu else float("nan")}
 
 
+class LedgerSampler:
+    """The jobs holding a reservation in the ledger (`HLEN`), every 20 ms while running:
+    how many of the fleet's slots the run kept taken."""
+
+    def __init__(self, redis_url: str, ledger_key: str) -> None:
+        self._client = redis.Redis.from_url(redis_url)
+        self._key = ledger_key
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ledger-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.samples.append(self._client.hlen(self._key))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        busy = sorted(n for n in self.samples if n)
+        if not busy:
+            return {}
+        return {"ledger_jobs_p50": busy[len(busy) // 2], "ledger_jobs_p90": busy[int(0.9 * (len(busy) - 1))],
+                "ledger_jobs_max": busy[-1]}
+
+
 def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, model: str,
                   jobs: Sequence[list[int]], max_new_tokens: int, *, label: str,
                   pids: dict[str, int] | None = None, log_dir: Path | None = None,
-                  metrics_urls: Sequence[str] = ()) -> dict:
+                  metrics_urls: Sequence[str] = (), ledger: tuple[str, str] | None = None) -> dict:
     """Produce every job to Kafka at once; wait for every result on the results topic.
     With `pids` ({name: pid}), also the CPU ms per job each of those processes spent;
     with `log_dir` (the fleet's logs), the median and the mean of each of its `HOPS`;
-    with `metrics_urls` (the workers' /metrics), `engine_shares`."""
+    with `metrics_urls` (the workers' /metrics), `engine_shares`; with `ledger` (the
+    state Redis URL and the ledger's key), the jobs holding a reservation (LedgerSampler)."""
     results = Results(bootstrap, results_topic)
     cpu_before = cpu_seconds(pids or {})
     clocks_before = engine_clocks(metrics_urls)
+    sampler = LedgerSampler(*ledger) if ledger else None
     producer = make_producer(KafkaSettings(bootstrap=bootstrap), client_id="bench-fleet-jobs")
     try:
         now = time.time()
@@ -263,6 +293,7 @@ def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, m
         producer.close(timeout=5)
         results.close()
     cpu_after = cpu_seconds(pids or {})
+    held = sampler.stop() if sampler else {}
     engine = engine_shares(clocks_before, engine_clocks(metrics_urls), wall, len(metrics_urls)) if metrics_urls else {}
     done = [r for r in got.values() if r.status is JobState.DONE]
     tokens = sum(len(r.tokens) for r in done)
@@ -276,7 +307,7 @@ def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, m
         every_hop, every_hop_mean = hop_medians(per_job), hop_medians(per_job, statistics.fmean)
     return {"jobs": len(requests), "done": len(done), "tokens": tokens, "wall_s": wall, "produce_s": produced,
             "hops_median_ms": hops, "every_hop_median_ms": every_hop, "every_hop_mean_ms": every_hop_mean,
-            **engine,
+            **engine, **held,
             "jobs_per_s": len(requests) / wall, "tokens_per_s": tokens / wall,
             "runs_beyond_one": sum(max(0, a - 1) for a in attempts),
             "cpu_ms_per_job": {name: 1000 * (cpu_after[name] - cpu_before[name]) / len(requests)
