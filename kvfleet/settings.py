@@ -486,12 +486,20 @@ class EngineConfig:
                              f"{self.kv_cache_dtype!r} (KVFLEET_KV_CACHE_DTYPE)")
 
 
+#: Engine batches of normal and low jobs a worker takes at once by default
+#: (`Settings.worker_concurrency`). 3 against 1 (threads = max_num_seqs / (1 - reserve)),
+#: in alternate full runs of bench/fleet.py --part jobs: 1-token jobs 0.34 / 0.34 of the
+#: engine alone against 0.28 / 0.27, 128-token 0.85 / 0.85 against 0.75 / 0.71; 4.5
+#: measured no better than 3.
+WORKER_BATCHES_IN_FLIGHT = 3
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     metrics_port: int = knob(9102, "WORKER_METRICS_PORT", int, lo=0)  # 0 = no endpoint
-    #: Celery task threads feeding the engine. 0 = the engine's max_num_seqs plus the
-    #: policy's high_slot_reserve of the threads (`Settings.worker_concurrency`): the
-    #: tasks a worker takes are what its engine can run at once, and room for high jobs.
+    #: Celery task threads feeding the engine. 0 = three of the engine's batches
+    #: (max_num_seqs) plus the policy's high_slot_reserve of the threads
+    #: (`Settings.worker_concurrency`): one batch runs while the next are on their way.
     concurrency: int = knob(0, "WORKER_CONCURRENCY", int, lo=0)
     #: Seconds before Redis hands an unacknowledged task to another worker. It counts
     #: from *delivery*, not from start: a task that waits in a prefetch buffer longer
@@ -570,15 +578,17 @@ class Settings:
     @property
     def worker_concurrency(self) -> int:
         """A worker's Celery task threads (its heartbeat's `slots`): KVFLEET_WORKER_CONCURRENCY,
-        or by default enough that normal and low jobs fill the engine's max_num_seqs
-        while the policy's `high_slot_reserve` of the threads stays free for high jobs.
-        A high job that gets one of those threads while the engine is full preempts the
-        engine's lowest sequence (workers/engine/scheduler.py), so the reserve costs
-        high nothing; with threads equal to max_num_seqs it cost long jobs an eighth of
-        the fleet's throughput (a quarter of every batch empty; docs/benchmarks.md)."""
+        or by default `WORKER_BATCHES_IN_FLIGHT` engine batches (max_num_seqs each) of
+        normal and low jobs, with the policy's `high_slot_reserve` of the threads on top
+        for high ones. One batch runs; the others are on their way to the engine
+        (Celery delivery, begin, the prefix step, its queue), so each step finds a full
+        batch: with threads for one batch, a 1-token job spent ~100 ms of its slot
+        outside the engine and a step took 12 of them (docs/benchmarks.md, "Job path").
+        A high job that gets a reserved thread while the engine is full preempts its
+        lowest sequence (workers/engine/scheduler.py), so the reserve costs high nothing."""
         if self.worker.concurrency:
             return self.worker.concurrency
-        return math.ceil(self.engine.max_num_seqs / (1.0 - self.policy.high_slot_reserve))
+        return math.ceil(WORKER_BATCHES_IN_FLIGHT * self.engine.max_num_seqs / (1.0 - self.policy.high_slot_reserve))
 
     def __post_init__(self) -> None:
         # The cold tier's blobs copy whole blocks of one dtype, K and V alike (kvstore/blob.py);

@@ -71,8 +71,9 @@ def test_kafka_security_reaches_every_client_option():
 def test_worker_threads_fill_the_engine_and_keep_the_high_reserve_free():
     s = Settings.from_env({})
     assert s.engine.max_num_seqs == 64 and s.policy.high_slot_reserve == 0.25
-    assert s.worker_concurrency == 86  # 64 for normal and low, and a quarter of the 86 for high
+    assert s.worker_concurrency == 256  # three batches of 64 for normal and low, a quarter of the 256 for high
     threads = s.worker_concurrency
-    assert threads - int(s.policy.high_slot_reserve * threads) >= s.engine.max_num_seqs
-    assert Settings.from_env({"KVFLEET_HIGH_SLOT_RESERVE": "0"}).worker_concurrency == 64
+    assert threads - int(s.policy.high_slot_reserve * threads) >= 3 * s.engine.max_num_seqs
+    assert Settings.from_env({"KVFLEET_HIGH_SLOT_RESERVE": "0"}).worker_concurrency == 3 * 64
+    assert Settings.from_env({"KVFLEET_MAX_NUM_SEQS": "8"}).worker_concurrency == 32
     assert Settings.from_env({"KVFLEET_WORKER_CONCURRENCY": "16"}).worker_concurrency == 16
