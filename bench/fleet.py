@@ -389,11 +389,11 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
     try:
         fleet.start("api")
         fleet.start("scheduler")
-        metrics_urls = []
+        worker_metrics = []
         for _ in range(args.workers):  # each with its metrics endpoint: the engines' clocks
             port = free_port()
             fleet.start("worker", env={"KVFLEET_WORKER_METRICS_PORT": str(port)})
-            metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
+            worker_metrics.append(lambda port=port: fleet.metrics(port))
         fleet.wait_ready(workers=args.workers)
         pids = {**{name: proc.pid for name, proc in fleet.procs.items()}, **fleet_jobs.infra_pids(infra)}
         over = fleet_jobs.overhead(fleet.url, API_KEY, 15 if args.quick else 40, seed=99, log_dir=log_dir)
@@ -404,7 +404,7 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         for n in lengths:
             run = fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",
                                            fleet_jobs.prompts(counts[n], seed=n), n, label=f"{n}-token jobs",
-                                           pids=pids, log_dir=log_dir, metrics_urls=metrics_urls,
+                                           pids=pids, log_dir=log_dir, worker_metrics=worker_metrics,
                                            ledger=(infra["redis-state"], fleet.keys.ledger))
             fleet_runs[n] = run
             print(f"[bench] fleet, {counts[n]} jobs of {n} tokens: {run['jobs_per_s']:.0f} jobs/s "

@@ -213,15 +213,14 @@ def hop_medians(per_job: dict[str, dict[str, float]], average=statistics.median)
 ENGINE_CLOCKS = ("kvfleet_engine_step_seconds_sum", "kvfleet_engine_step_cpu_seconds_total")
 
 
-def engine_clocks(metrics_urls: Sequence[str]) -> dict[str, float]:
-    """ENGINE_CLOCKS, each summed over the workers' metrics endpoints."""
-    total = dict.fromkeys(ENGINE_CLOCKS, 0.0)
-    for url in metrics_urls:
-        for line in httpx.get(url, timeout=5).text.splitlines():
-            name, _, value = line.rpartition(" ")
-            if name in total:
-                total[name] += float(value)
-    return total
+#: A worker's Prometheus samples, {'name{labels}': value} (tests/fleet.py `Fleet.metrics`).
+Samples = Callable[[], dict[str, float]]
+
+
+def engine_clocks(workers: Sequence[Samples]) -> dict[str, float]:
+    """ENGINE_CLOCKS, each summed over the workers."""
+    samples = [read() for read in workers]
+    return {name: sum(s.get(name, 0.0) for s in samples) for name in ENGINE_CLOCKS}
 
 
 def engine_shares(before: dict[str, float], after: dict[str, float], wall_s: float, workers: int) -> dict:
@@ -264,15 +263,15 @@ class LedgerSampler:
 def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, model: str,
                   jobs: Sequence[list[int]], max_new_tokens: int, *, label: str,
                   pids: dict[str, int] | None = None, log_dir: Path | None = None,
-                  metrics_urls: Sequence[str] = (), ledger: tuple[str, str] | None = None) -> dict:
+                  worker_metrics: Sequence[Samples] = (), ledger: tuple[str, str] | None = None) -> dict:
     """Produce every job to Kafka at once; wait for every result on the results topic.
     With `pids` ({name: pid}), also the CPU ms per job each of those processes spent;
     with `log_dir` (the fleet's logs), the median and the mean of each of its `HOPS`;
-    with `metrics_urls` (the workers' /metrics), `engine_shares`; with `ledger` (the
+    with `worker_metrics` (each worker's samples), `engine_shares`; with `ledger` (the
     state Redis URL and the ledger's key), the jobs holding a reservation (LedgerSampler)."""
     results = Results(bootstrap, results_topic)
     cpu_before = cpu_seconds(pids or {})
-    clocks_before = engine_clocks(metrics_urls)
+    clocks_before = engine_clocks(worker_metrics)
     sampler = LedgerSampler(*ledger) if ledger else None
     producer = make_producer(KafkaSettings(bootstrap=bootstrap), client_id="bench-fleet-jobs")
     try:
@@ -294,7 +293,8 @@ def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, m
         results.close()
     cpu_after = cpu_seconds(pids or {})
     held = sampler.stop() if sampler else {}
-    engine = engine_shares(clocks_before, engine_clocks(metrics_urls), wall, len(metrics_urls)) if metrics_urls else {}
+    engine = engine_shares(clocks_before, engine_clocks(worker_metrics), wall, len(worker_metrics)) \
+        if worker_metrics else {}
     done = [r for r in got.values() if r.status is JobState.DONE]
     tokens = sum(len(r.tokens) for r in done)
     attempts = [r.attempt for r in done]

@@ -154,15 +154,15 @@ def finite(v: float | None) -> float | None:
     return None if v is None or math.isinf(v) else v
 
 
-def workload(seed: int, scenario: str) -> Workload:
+def workload(seed: int, scenario: str, service: BatchService = SERVICE) -> Workload:
     return Workload(seed=seed, phases=SCENARIOS[scenario], tenants=SIM_TENANTS, timeouts=TIMEOUTS,
-                    service=SERVICE, oversize=0.0)
+                    service=service, oversize=0.0)
 
 
-def run(scenario: str, seeds: range) -> dict[str, list[SimResult]]:
+def run(scenario: str, seeds: range, service: BatchService = SERVICE) -> dict[str, list[SimResult]]:
     results: dict[str, list[SimResult]] = {p.name: [] for p in POLICIES}
     for seed in seeds:
-        w = workload(seed, scenario)
+        w = workload(seed, scenario, service)
         jobs = make_jobs(w)
         for policy in POLICIES:
             results[policy.name].append(simulate(policy(CONFIG, TENANTS), jobs, capacity=w.capacity_tokens,
@@ -170,11 +170,11 @@ def run(scenario: str, seeds: range) -> dict[str, list[SimResult]]:
     return results
 
 
-def high_alone(seeds: range) -> float | None:
+def high_alone(seeds: range, service: BatchService = SERVICE) -> float | None:
     """High p99 end to end under the burst with only the high jobs (see the docstring)."""
     e2e = []
     for seed in seeds:
-        w = workload(seed, "burst")
+        w = workload(seed, "burst", service)
         jobs = [j for j in make_jobs(w) if j.priority is Priority.HIGH]
         result = simulate(StrictPriorityPolicy(CONFIG, TENANTS), jobs, capacity=w.capacity_tokens, service=w.service)
         e2e += [e2e_or_inf(r) for r in result.records]
@@ -639,13 +639,12 @@ def main() -> None:
         return
     seeds = args.seeds or (3 if args.quick else 10)
     seed_range = range(args.first_seed, args.first_seed + seeds)
-    if args.decode_step_slack is not None:
-        global SERVICE
-        SERVICE = dataclasses.replace(SERVICE, decode_step_slack=args.decode_step_slack)
+    service = SERVICE if args.decode_step_slack is None else \
+        dataclasses.replace(SERVICE, decode_step_slack=args.decode_step_slack)
     args.out.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
-    runs = {scenario: run(scenario, seed_range) for scenario in SCENARIOS}
+    runs = {scenario: run(scenario, seed_range, service) for scenario in SCENARIOS}
     policies = {name: summarize(runs["burst"][name], runs["unloaded"][name]) for name in runs["burst"]}
     best_baseline = max(policies[b]["goodput_tokens_per_s"] for b in BASELINES)
     best = max(s["goodput_tokens_per_s"] for s in policies.values())
@@ -653,15 +652,15 @@ def main() -> None:
         s["goodput_over_best_baseline"] = s["goodput_tokens_per_s"] / best_baseline
         s["misses"] = misses(s, best)
     report: dict = {"seeds": seeds, "first_seed": args.first_seed,
-                    "service": {"a_s": SERVICE.a_s, "b_s_per_token": SERVICE.b_s_per_token,
-                                "workers": SERVICE.workers, "decode_step_slack": finite(SERVICE.decode_step_slack)},
+                    "service": {"a_s": service.a_s, "b_s_per_token": service.b_s_per_token,
+                                "workers": service.workers, "decode_step_slack": finite(service.decode_step_slack)},
                     "low_aging_bound_s": LOW_AGING_BOUND_S}
     for name, s in policies.items():
         for key in ("high_p99_over_unloaded", "jain_vs_quota", "goodput_over_best_baseline", "low_p99_wait_s",
                     "low_p99_wait_compliant_s"):
             report[f"{name}_{key}"] = s[key]
     kv = policies["kvfleet"]
-    alone = high_alone(seed_range)
+    alone = high_alone(seed_range, service)
     report.update(high_alone_e2e_p99_s=finite(alone),
                   high_alone_p99_over_unloaded=finite(alone / kv["high_e2e_p99_unloaded_s"]))
     report.update(targets_met=not kv["misses"], kvfleet_misses=kv["misses"], policies=policies,

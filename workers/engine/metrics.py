@@ -37,7 +37,7 @@ STEP_SECONDS = Histogram(
 )
 # Against kvfleet_engine_step_seconds_sum: a step whose wall time is several times its
 # thread's CPU time spent the rest waiting, in a Python process for the GIL that the
-# worker's other threads hold (docs/operations.md, "Reading the engine's metrics").
+# worker's other threads hold (docs/engine.md, "Metrics").
 STEP_CPU_SECONDS = Counter(
     "kvfleet_engine_step_cpu_seconds",
     "CPU time of the step thread in engine steps (the model's forward and sampling)",
