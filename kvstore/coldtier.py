@@ -47,6 +47,7 @@ from redis.retry import Retry
 
 from kernels.ops import Kernels
 from kvfleet.constants import Keys
+from kvfleet.scriptbatch import ScriptBatch
 from kvstore import metrics
 from kvstore.blob import EXPIRES_AT, EXPIRES_AT_OFFSET, HEADER, BlobCodec, KVBlob, KVLayout, Quant
 from kvstore.blob import VERSION as BLOB_VERSION
@@ -186,6 +187,8 @@ class ColdTier:
         self.jitter = jitter
         self._touch = client.register_script(_TOUCH)
         self._present_run = client.register_script(_PRESENT_RUN)
+        #: The lookups of jobs arriving together (one Celery message's) share a round trip.
+        self._lookups = ScriptBatch(client)
         # Enough free buffers for the batches in flight (copied spills: a GPU's or an
         # INT8 tier's, and the builder's writes), up to READ_BUFFERS_BYTES idle.
         self._buffers = BufferPool(self.codec.raw_nbytes, keep=max(
@@ -538,7 +541,7 @@ class ColdTier:
         EXISTS per key, stopping at the first hole, in one round trip; no blob bytes."""
         if not block_hashes:
             return 0
-        return int(self._present_run(keys=[self.key(h) for h in block_hashes], client=self.client))
+        return int(self._lookups.run(self._present_run, [self.key(h) for h in block_hashes]))
 
     @property
     def blob_nbytes(self) -> int:
@@ -614,7 +617,8 @@ class ColdTier:
         return int(dict(self._lock_client.pubsub_numsub(lock_key)).get(lock_key.encode(), 0))
 
     def ensure_prefix(self, block_hashes: Sequence[BlockHash], prefill: Callable[[], None], *,
-                      first_missing: int = 0, known_missing: bool = False) -> PrefixSource:
+                      first_missing: int = 0, known_missing: bool = False,
+                      store: Optional[Callable[[], None]] = None) -> PrefixSource:
         """Make sure a prefix's blocks are in the cold tier, prefilling them at most once fleet-wide.
 
         The flight is keyed on `block_hashes[first_missing]`, the first block that no tier
@@ -623,7 +627,10 @@ class ColdTier:
         whatever they ask after it, and prefill the shared blocks once across the fleet;
         each then computes only its own suffix.
 
-        `prefill()` must compute the blocks and `write()` them before it returns. COLD:
+        `prefill()` must compute the blocks and `write()` them before it returns, or,
+        with `store`, only compute them: `store()` then writes them, called only if
+        somebody waits for them once they are computed (the count and, nobody waiting,
+        the release are one round trip: SingleFlight's `store_if_waited`). COLD:
         the blocks are in Redis, load them (a load that still comes up short, e.g. after
         an eviction, means prefill locally). BUILT: this caller ran `prefill()`.
         `known_missing`: the caller has just found `block_hashes[first_missing]` absent
@@ -643,11 +650,12 @@ class ColdTier:
 
         wrote: list[bool] = []
 
-        def build() -> PrefixSource:
+        def building(step: Callable[[], None]) -> None:
+            # While `step` runs, write() holds this prefix's marker back and notes it wrote it.
             with self._building_lock:
                 self._building[marker] = self._building.get(marker, 0) + 1
             try:
-                prefill()
+                step()
             finally:
                 with self._building_lock:
                     wrote.append(marker in self._written)
@@ -655,8 +663,12 @@ class ColdTier:
                     if not self._building[marker]:
                         del self._building[marker]
                         self._written.discard(marker)
+
+        def build() -> PrefixSource:
+            building(prefill)
             return PrefixSource.BUILT
 
         # A builder nobody waited for wrote nothing: it leaves no record for the next
         # claim of this prefix to look again for (SingleFlight's recheck="after_builds").
-        return self.flight.run(lock_key, lookup, build, missing=known_missing, stored=lambda: any(wrote))
+        return self.flight.run(lock_key, lookup, build, missing=known_missing, stored=lambda: any(wrote),
+                               store_if_waited=None if store is None else lambda: building(store))

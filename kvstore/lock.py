@@ -141,11 +141,15 @@ class Renewer:
     def hold(self, lease: Lease) -> None:
         """Renew `lease` (just acquired) until `drop(lease)`."""
         with self._changed:
-            self._schedule(lease)
+            seq = self._schedule(lease)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            # Wake the thread only if this lease is now the first due: otherwise it sleeps
+            # until an earlier one, and then looks at the heap again. Leases of one TTL come
+            # due in the order they were taken, so a busy flight wakes nobody per build.
+            if self._due[0][1] == seq:
+                self._changed.notify()
 
     def drop(self, lease: Lease) -> None:
         """Stop renewing `lease` (its heap entry is skipped when it comes due)."""
@@ -158,11 +162,12 @@ class Renewer:
         with self._changed:
             return len(self._held)
 
-    def _schedule(self, lease: Lease) -> None:
-        """Due a third of the TTL from now (under the condition)."""
+    def _schedule(self, lease: Lease) -> int:
+        """Due a third of the TTL from now (under the condition); its sequence number."""
         seq = next(self._order)
         self._held[id(lease)] = (lease, seq)
         heapq.heappush(self._due, (time.monotonic() + lease.ttl_ms / 3000, seq, id(lease)))
+        return seq
 
     def _live(self, entry: tuple[float, int, int]) -> bool:
         held = self._held.get(entry[2])

@@ -49,6 +49,7 @@ from typing import Callable, Generic, Iterator, Optional, TypeVar, Union
 
 import redis
 
+from kvfleet.scriptbatch import ScriptBatch
 from kvstore import metrics
 from kvstore.expiry import xfetch_due
 from kvstore.lock import Lease, Renewer
@@ -99,6 +100,16 @@ _CLAIM = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 return 1 + redis.call('EXISTS', KEYS[2])
 """
+# Release a holder's lock if nobody waits for its value, and say so, in one round trip
+# (waiters listen on the lock's channel, so PUBSUB NUMSUB counts them): -1 the lease is
+# no longer ours, 0 released (nobody to tell), n > 0 the number waiting (still held).
+# Atomic, so a waiter that subscribes after the count finds the lock gone and takes it.
+_RELEASE_UNLESS_WAITED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local waiting = redis.call('PUBSUB', 'NUMSUB', KEYS[1])[2]
+if waiting == 0 then redis.call('DEL', KEYS[1]) end
+return waiting
+"""
 #: How `run` looks again under the lock after a miss: "always" (dogpile's double
 #: check), or "after_builds": only if a build under this lock stored a value in the
 #: last `lock_ttl_s` (see the module docstring).
@@ -147,22 +158,30 @@ class SingleFlight:
         self.use_lock = use_lock
         self.recheck = recheck
         self._claim = client.register_script(_CLAIM) if client is not None else None
+        self._release_unless_waited = client.register_script(_RELEASE_UNLESS_WAITED) if client is not None else None
+        #: The claims and releases of builds running at once share round trips.
+        self._batch = ScriptBatch(client) if client is not None else None
         #: Renews every lease this flight's builders hold: one thread, not one per build.
         self.renewer = Renewer(name=f"lease-renewer-{name}")
 
     def run(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T], *, missing: bool = False,
-            stored: Optional[Callable[[], bool]] = None) -> T:
+            stored: Optional[Callable[[], bool]] = None, store_if_waited: Optional[Callable[[], None]] = None) -> T:
         """The value behind `lock_key`: found, built by this caller, or built by another.
         `missing`: the caller has just read that there is no value (a read of its own
         that covers `lookup`'s), so the first lookup is skipped; the one under the lock,
         and a waiter's, still run (under the lock, with recheck="after_builds", only
         after a build that stored). `stored()`, asked once `build` returned: whether it
         stored a value where `lookup` finds it (default: it did); with False the holder
-        leaves no record, as nothing could be found."""
+        leaves no record, as nothing could be found.
+
+        `store_if_waited`: `build` only computes the value, and this stores it, called
+        only when a missing value's build is done and somebody waits for it; nobody
+        waiting, the release and the count are one round trip and nothing is stored (the
+        cold tier's prefixes: nearly every prompt is nobody else's)."""
         entry = NO_VALUE if missing else lookup()
         if entry is NO_VALUE:
             metrics.MISSES.labels(self.name).inc()
-            return self._build_or_wait(lock_key, lookup, build, stored)
+            return self._build_or_wait(lock_key, lookup, build, stored, store_if_waited)
         now = time.time()
         early = not entry.stale(now)
         if early and not xfetch_due(now, entry.expires_at, entry.build_s, self.early_refresh_beta):
@@ -185,18 +204,21 @@ class SingleFlight:
 
     # --- nothing stored: one caller builds, the others wait for it -----------------
     def _build_or_wait(self, lock_key: str, lookup: Lookup[T], build: Callable[[], T],
-                       stored: Optional[Callable[[], bool]] = None) -> T:
+                       stored: Optional[Callable[[], bool]] = None,
+                       store_if_waited: Optional[Callable[[], None]] = None) -> T:
         if not self.use_lock:
-            return self._build(build)
+            value = self._build(build)
+            if store_if_waited is not None:
+                store_if_waited()  # no lock, no count of who waits: store, as a build would
+            return value
         lease = Lease(self.client, lock_key, self.lock_ttl_ms)
-        claimed = self._claim(keys=[lock_key, self._stored_key(lock_key)], args=[lease.token, self.lock_ttl_ms],
-                              client=self.client)
+        claimed = self._batch.run(self._claim, [lock_key, self._stored_key(lock_key)], [lease.token, self.lock_ttl_ms])
         if claimed:
             # 1 under "after_builds": no build under this lock stored a value for a lock TTL
             # before our claim, so none landed after our miss: no need to look again.
             recheck = claimed == 2 or self.recheck == "always"
             return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=False, recheck=recheck,
-                                       stored=stored)
+                                       stored=stored, store_if_waited=store_if_waited)
         metrics.LOCK_WAITS.labels(self.name).inc()
         deadline = time.monotonic() + self.wait_timeout_s
         with self._wakeups(lock_key) as wakeups:
@@ -210,7 +232,8 @@ class SingleFlight:
                 # Free and still no value: the holder failed, or died and its lease
                 # expired. Exactly one waiter wins this SET NX and builds again.
                 if lease.acquire():
-                    return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=True, stored=stored)
+                    return self._build_holding(lease, lookup, build, seen=NO_VALUE, took_over=True, stored=stored,
+                                               store_if_waited=store_if_waited)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -220,12 +243,17 @@ class SingleFlight:
         metrics.WAIT_TIMEOUTS.labels(self.name).inc()
         log.warning("gave up waiting for the builder; building without the lock",
                     extra={"lock": lock_key, "waited_s": self.wait_timeout_s})
-        return self._build(build)
+        value = self._build(build)
+        if store_if_waited is not None:
+            store_if_waited()  # others may wait as this caller did
+        return value
 
     def _build_holding(self, lease: Lease, lookup: Lookup[T], build: Callable[[], T], *, seen, took_over: bool,
-                       recheck: bool = True, stored: Optional[Callable[[], bool]] = None) -> T:
+                       recheck: bool = True, stored: Optional[Callable[[], bool]] = None,
+                       store_if_waited: Optional[Callable[[], None]] = None) -> T:
         """Build while holding `lease`; release it and wake the waiters however it ends."""
         stored_one = False
+        released = False
         try:
             # Run the getter again under the lock: the previous holder may have stored a
             # newer value between our lookup and our acquire (dogpile's double check).
@@ -240,12 +268,18 @@ class SingleFlight:
             self.renewer.hold(lease)
             try:
                 value = self._build(build)
+                if store_if_waited is not None:
+                    waiting = self.release_unless_waited(lease)
+                    released = waiting <= 0  # nobody waits (released now), or the lease was lost
+                    if not released:
+                        store_if_waited()
             finally:
                 self.renewer.drop(lease)
-            stored_one = stored is None or stored()
+            stored_one = not released and (stored is None or stored())
             return value
         finally:
-            self._release(lease, stored=stored_one)
+            if not released:
+                self._release(lease, stored=stored_one)
 
     def _build(self, build: Callable[[], T]) -> T:
         started = time.perf_counter()
@@ -253,6 +287,12 @@ class SingleFlight:
         metrics.BUILDS.labels(self.name).inc()
         metrics.BUILD_SECONDS.labels(self.name).observe(time.perf_counter() - started)
         return value
+
+    def release_unless_waited(self, lease: Lease) -> int:
+        """Release `lease` if nobody waits for its value: 0 released, n > 0 the number
+        waiting (still held), -1 the lease is no longer ours. One round trip, shared
+        with the builds that end at the same moment."""
+        return int(self._batch.run(self._release_unless_waited, [lease.key], [lease.token]))
 
     # --- wake-ups -----------------------------------------------------------------
     @staticmethod

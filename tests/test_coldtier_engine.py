@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 from kernels.contract import PagedBatch
 from kvfleet.constants import Keys
 from kvfleet.contracts import Sampling
+from kvfleet.scriptbatch import ScriptBatch
 from kvfleet.settings import ColdTierSettings
 from kvstore.blob import Quant
 from kvstore.coldtier import ColdTier, PrefixSource, connect
@@ -231,19 +232,21 @@ def _service_worker(url: str, state_url: str, prefix: str, results, barrier, suf
     engine, tier = _engine(url, prefix, Quant.NONE, num_blocks=64, lock_url=state_url, prefetch_only=True)
     sharing = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4))
     prompt = SHARED + suffix
-    waiters = tier.prefix_waiters
+    release_unless_waited = tier.flight.release_unless_waited
+    hashes = engine.block_manager.prefix_hashes(prompt)
+    lock_key = tier._prefix_lock(hashes, 0)  # the flight's key: the cold tier starts empty
 
-    def both_others_waiting(*args) -> int:
+    def once_both_others_wait(lease) -> int:
         # The builder decides to write by counting who waits (product behaviour). On a
         # loaded machine a process can reach the lock after the builder has looked and
         # released, and then builds itself ("at worst twice", docs/kvstore.md): the
         # barrier alone cannot rule that out, so the builder looks once both wait.
         deadline = time.monotonic() + 60
-        while waiters(*args) < 2 and time.monotonic() < deadline:
+        while lease.key == lock_key and tier.prefix_waiters(hashes) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        return waiters(*args)
+        return release_unless_waited(lease)
 
-    tier.prefix_waiters = both_others_waiting
+    tier.flight.release_unless_waited = once_both_others_wait
     barrier.wait()  # all processes ask at the same moment
     tokens = sharing.generate("job", prompt, 8, Sampling()).tokens
     results.put((engine.stats().prompt_tokens_computed, len(prompt), tokens))
@@ -289,6 +292,7 @@ def test_cold_blocks_are_fetched_by_the_task_thread_and_the_step_thread_never_wa
     client = _ThreadLog.from_url(cache_redis_url)
     client.threads = []
     tier.client = client
+    tier._lookups = ScriptBatch(client)  # present_run's round trips, through the same client
     try:
         generator = PrefixSharingEngine(engine, PrefixSharing(engine, tier, min_blocks=4, prefill_tokens_per_s=1.0))
         result = generator.generate("warm", PROMPT, 4, Sampling())

@@ -23,10 +23,11 @@ from workers.prefix import PrefixSharing, PrefixSharingEngine
 
 #: Round trips of the prefix step for a unique prompt of at least `min_blocks` blocks:
 #: the cache's EXISTS run (present_run), then on the state instance the flight's claim
-#: (SET NX and a read of the `:stored` record, one script), the count of waiters at the job's first
-#: token, and the release (with its announcement). Before issue 16's cut it was 5: the
-#: claim was a bare SET NX, followed by an EXISTS of the marker under the lock.
-UNIQUE_PROMPT_ROUND_TRIPS = {"cache": 1, "state": 3}
+#: (SET NX and a read of the `:stored` record, one script) and, at the job's first token,
+#: one script that counts the waiters and, finding none, releases the lock. Before issue
+#: 16's cuts it was 5: the claim was a bare SET NX, followed by an EXISTS of the marker
+#: under the lock; then 4, with the count and the release apart.
+UNIQUE_PROMPT_ROUND_TRIPS = {"cache": 1, "state": 2}
 
 
 class Counting(redis.Redis):
@@ -74,7 +75,7 @@ def counted(cache_redis_url, redis_url, prefix):
         hooks.tier.close()
 
 
-def test_a_unique_prompt_costs_the_prefix_step_four_round_trips_and_no_thread(counted, monkeypatch):
+def test_a_unique_prompt_costs_the_prefix_step_three_round_trips_and_no_thread(counted, monkeypatch):
     sharing, clients = counted
     sharing.generate("warm", _prompt(0), 1, Sampling())  # loads the scripts, starts the renewer thread
     before = {name: c.round_trips for name, c in clients.items()}

@@ -14,18 +14,19 @@ Before a job reaches the engine, in the job's own task thread (never the step th
    them, and each computes only its own suffix. The builder's prefill is the job
    itself (`PrefixSharingEngine` hands `prepare` a way to submit it): the flight's lock
    is held until the job's first token, and the blocks are copied out and written only
-   if someone waits for them (kvstore.ColdTier.prefix_waiters). A prompt nobody shares,
-   the common case, so costs four round trips in all and no thread: step 1's EXISTS
-   run on the cache instance, then on the state instance the flight's claim (SET NX,
-   and whether a build of this prefix wrote its blocks lately, in one script: only then
-   does it look for them again under the lock), the waiter count at the job's first
-   token, and the release with its announcement; the lease is renewed by the flight's
-   one shared thread, and only if the prefill outlasts a third of its TTL (issue 16:
-   a separate one-token prefix run and a write per unique prompt cut a fleet's short
-   jobs by a third; then five round trips and a renewal thread per build). A caller
-   that starts waiting just after the builder looked finds nothing written when the
-   lock is released, takes the lock and prefills itself: at worst twice, never once
-   per caller;
+   if someone waits for them then (SingleFlight's `store_if_waited`). A prompt nobody
+   shares, the common case, so costs three calls and no thread: step 1's EXISTS run on
+   the cache instance, then on the state instance the flight's claim (SET NX, and
+   whether a build of this prefix wrote its blocks lately, in one script: only then
+   does it look for them again under the lock), and at the job's first token one
+   script that counts the waiters and, finding none, releases the lock. Each goes
+   through a `ScriptBatch` (kvfleet/scriptbatch.py), so the jobs of one message or one
+   engine step share each round trip. The lease is renewed by the flight's one shared
+   thread, and only if the prefill outlasts a third of its TTL (issue 16: a separate
+   one-token prefix run and a write per unique prompt cut a fleet's short jobs by a
+   third; then five round trips and a renewal thread per build). A caller that starts
+   waiting just after the builder looked finds the lock gone, takes it and prefills
+   itself: at worst twice, never once per caller;
 3. if blocks are cold, asks `FetchDecision` (kvstore/decision.py) whether loading them
    is sooner than recomputing them here, and if so fetches them now straight into pool
    blocks the engine sets aside for them (`BlockManager.reserve`), validates them
@@ -101,10 +102,14 @@ class PrefixSharing:
                 if submit is None:
                     self._prefill_and_store(job_id, prompt, hashes, cache_salt, cold_run=(hot, covered))
                 else:
-                    self._run_and_store(submit, hashes, first_missing=covered, cold_run=(hot, covered))
+                    self._run_until_computed(submit)
+
+            def store() -> None:  # the job was the prefill, and somebody waits for its blocks
+                self.tier.write(self.engine.call_soon(lambda: self._copy(hashes, (hot, covered))).result())
 
             # present_run stopped at hashes[covered]: the flight need not look again.
-            source = self.tier.ensure_prefix(hashes, build, first_missing=covered, known_missing=True)
+            source = self.tier.ensure_prefix(hashes, build, first_missing=covered, known_missing=True,
+                                             store=None if submit is None else store)
             log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes) - covered,
                                              "source": source.value})
             if source is PrefixSource.BUILT:
@@ -149,17 +154,15 @@ class PrefixSharing:
         items = self.engine.call_soon(lambda: self._copy(hashes, cold_run)).result()
         self.tier.write(items)
 
-    def _run_and_store(self, submit: Submit, hashes: list[str], *, first_missing: int,
-                       cold_run: tuple[int, int]) -> None:
-        """The builder's prefill, as the job itself: submit it, wait until its prompt is
-        computed (its first token, or its end), and write the blocks for whoever waits."""
+    @staticmethod
+    def _run_until_computed(submit: Submit) -> None:
+        """The builder's prefill, as the job itself: submit it and wait until its prompt
+        is computed (its first token, or its end); the flight then counts who waits and
+        has `store` write the blocks only for them."""
         computed = threading.Event()
         handle = submit(lambda token: computed.set())  # on the step thread: O(1)
         handle.add_done_callback(lambda _: computed.set())  # ended (or failed) before a token
         computed.wait()
-        if self.tier.prefix_waiters(hashes, first_missing):
-            items = self.engine.call_soon(lambda: self._copy(hashes, cold_run)).result()
-            self.tier.write(items)
 
     def _copy(self, hashes: list[str], cold_run: tuple[int, int]) -> list:
         held = self.engine.block_manager.cached_block_ids(hashes)  # exact here: we are on the step thread
