@@ -306,6 +306,15 @@ class SchedulerService:
         try:
             jobs = self.decode(records)
             states = self.store.states([j.job_id for _, _, j in jobs])
+            # Produced without the API (any Kafka client may): record them, tokenized, in
+            # one round trip for the poll (a round trip each cost short jobs a tenth).
+            new = [i for i, state in enumerate(states) if state is None]
+            if new:
+                for i in new:
+                    tp, offset, job = jobs[i]
+                    jobs[i] = (tp, offset, self.tokenize(job))
+                for i, (_, state, _) in zip(new, self.store.create_many([jobs[i][2] for i in new])):
+                    states[i] = state
         except _FAILURES:
             self.rewind((TopicPartition(r.topic, r.partition), r.offset) for r in records)
             raise
@@ -344,11 +353,8 @@ class SchedulerService:
                 self.offsets.decided(tp, offset)
         return jobs
 
-    def triage(self, tp: TopicPartition, offset: int, job: JobRequest, state: Optional[JobState]) -> None:
+    def triage(self, tp: TopicPartition, offset: int, job: JobRequest, state: JobState) -> None:
         """Buffer the job in the policy, queue it to send again, or decide it now."""
-        if state is None:  # produced without the API (any Kafka client may): record it, tokenized
-            job = self.tokenize(job)
-            _, state, _ = self.store.create(job)
         tenant = self.tenancy.get(job.tenant)
         if job.job_id in self.waiting or job.job_id in self.resend or state.terminal or state is JobState.RUNNING:
             # A duplicated or redelivered message: the job's first copy decides its fate.

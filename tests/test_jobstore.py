@@ -35,6 +35,14 @@ def test_create_is_idempotent(store):
     assert store.get(job.job_id).status is JobState.QUEUED
 
 
+def test_create_many_is_create_for_each_job_in_one_round_trip(store):
+    store.create(_job("old", tenant="first"))
+    made = store.create_many([_job("new1"), _job("old", tenant="other"), _job("new2", tenant="beta")])
+    assert made == [(True, JobState.QUEUED, "acme"), (False, JobState.QUEUED, "first"), (True, JobState.QUEUED, "beta")]
+    assert store.request("new2").tenant == "beta" and store.request("old").tenant == "first"  # the first stands
+    assert store.states(["new1", "old", "new2"]) == [JobState.QUEUED] * 3
+
+
 def test_states_move_one_way(store):
     job = _job()
     store.create(job)

@@ -227,10 +227,10 @@ class _FlakyStore(JobStore):
         super().__init__(*args)
         self.fail_on = fail_on
 
-    def create(self, request: JobRequest):
-        if request.job_id == self.fail_on:
+    def create_many(self, requests):
+        if any(r.job_id == self.fail_on for r in requests):
             raise redis_lib.ConnectionError("connection reset")
-        return super().create(request)
+        return super().create_many(requests)
 
 
 class _SeekingConsumer:
@@ -257,11 +257,14 @@ def test_a_redis_error_during_intake_rereads_exactly_the_records_not_yet_taken(r
     with pytest.raises(redis_lib.ConnectionError):
         service.intake(records)
     tp = TopicPartition(topic, 0)
-    assert consumer.seeks == {tp: 11}  # "b" and "c" are read again; "a" is buffered once
-    assert list(service.waiting) == ["a"] and service.policy.pending() == 1
+    # The poll's new jobs are recorded together, before any is taken: all are read again.
+    assert consumer.seeks == {tp: 10}
+    assert list(service.waiting) == [] and service.policy.pending() == 0
+    assert store.state("b") is None and store.state("c") is None
     store.fail_on = ""
-    service.intake(records[1:])  # the re-read
-    assert list(service.waiting) == ["a", "b", "c"] and service.offsets.position(tp) == 10
+    service.intake(records)  # the re-read
+    assert list(service.waiting) == ["a", "b", "c"] and service.policy.pending() == 3
+    assert service.offsets.position(tp) == 10 and store.state("c") is JobState.QUEUED
 
 
 def _service(settings: Settings, consumer) -> SchedulerService:
