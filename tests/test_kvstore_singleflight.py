@@ -148,3 +148,38 @@ def test_a_build_longer_than_the_lock_ttl_keeps_the_lock_without_a_thread_of_its
     started = {t.name for t in threading.enumerate()} - before
     assert started <= {flight.renewer.name}  # the flight's one renewer, never a thread per build
     assert flight.renewer.held == 0 and not cache_client.exists(f"{prefix}:lock")
+
+
+def test_store_if_waited_stores_only_when_somebody_waits_and_nobody_waiting_is_one_release(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix, recheck="after_builds")
+    lock, stores = f"{prefix}:lock", []
+    assert flight.run(lock, scripted(), lambda: "alone", missing=True, store_if_waited=lambda: stores.append(1)) == "alone"
+    assert stores == [] and not cache_client.exists(lock, f"{lock}:stored")  # released, nothing stored, no record
+
+    listener = cache_client.pubsub(ignore_subscribe_messages=True)
+
+    def build_while_one_waits() -> str:
+        listener.subscribe(lock)  # as a waiter does, on the lock's channel
+        assert cache_client.pubsub_numsub(lock) == [(lock.encode(), 1)]
+        return "shared"
+
+    try:
+        assert flight.run(lock, scripted(), build_while_one_waits, missing=True,
+                          store_if_waited=lambda: stores.append(1)) == "shared"
+        assert stores == [1] and not cache_client.exists(lock)  # stored for the waiter, then released
+        assert cache_client.exists(f"{lock}:stored")  # so the next claim looks again
+        heard, deadline = None, time.monotonic() + 5
+        while heard is None and time.monotonic() < deadline:  # None: the subscribe's own confirmation
+            heard = listener.get_message(timeout=1)
+        assert heard is not None and heard["data"] == b"released"  # and the waiter was told
+    finally:
+        listener.close()
+
+
+def test_release_unless_waited_leaves_a_lease_it_lost(cache_client, prefix):
+    flight = SingleFlight(cache_client, name=prefix)
+    lease = Lease(cache_client, f"{prefix}:lock", 5000)
+    assert lease.acquire()
+    other = Lease(cache_client, f"{prefix}:lock", 5000, token="someone-else")
+    assert flight.release_unless_waited(other) == -1 and cache_client.get(lease.key).decode() == lease.token
+    assert flight.release_unless_waited(lease) == 0 and not cache_client.exists(lease.key)
