@@ -30,6 +30,14 @@ class Gated(redis.Redis):
         return super().execute_command(*args, **options)
 
 
+@pytest.fixture
+def gated(redis_url) -> Gated:
+    """A gated client, its gate closed."""
+    client = Gated.from_url(redis_url)
+    client.gate = threading.Event()
+    return client
+
+
 def _queued(batch: ScriptBatch) -> int:
     with batch._lock:
         return len(batch._queued)
@@ -42,25 +50,31 @@ def _wait_for(condition, timeout_s: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def test_calls_that_queue_behind_a_pipeline_share_the_next_and_each_gets_its_own_reply(redis_url):
-    client = Gated.from_url(redis_url)
-    client.gate = threading.Event()
+def _behind_one(pool: ThreadPoolExecutor, batch: ScriptBatch, script, first: tuple, rest: list[tuple]):
+    """The `first` call on the wire alone (held at the client's gate), then each of `rest`
+    queued behind it; the futures of both, the gate still closed."""
+    sent = batch.pipelines
+    first_call = pool.submit(batch.run, script, *first)
+    _wait_for(lambda: batch.pipelines == sent + 1)
+    queued = [pool.submit(batch.run, script, *args) for args in rest]
+    _wait_for(lambda: _queued(batch) == len(rest))
+    return first_call, queued
+
+
+def test_calls_that_queue_behind_a_pipeline_share_the_next_and_each_gets_its_own_reply(gated):
+    client = gated
     batch = ScriptBatch(client)
     echo = client.register_script(ECHO)
     with ThreadPoolExecutor(12) as pool:
-        first = pool.submit(batch.run, echo, ["k0"], ["v0"])
-        _wait_for(lambda: batch.pipelines == 1)  # the first call is on the wire, alone
-        rest = [pool.submit(batch.run, echo, [f"k{i}"], [f"v{i}"]) for i in range(1, 12)]
-        _wait_for(lambda: _queued(batch) == 11)
+        first, rest = _behind_one(pool, batch, echo, (["k0"], ["v0"]), [([f"k{i}"], [f"v{i}"]) for i in range(1, 12)])
         client.gate.set()
         replies = [first.result(10)] + [f.result(10) for f in rest]
     assert replies == [[f"k{i}".encode(), f"v{i}".encode()] for i in range(12)]
     assert (batch.pipelines, batch.calls) == (2, 12)
 
 
-def test_a_lone_call_goes_alone_and_a_full_queue_goes_in_pipelines_of_max_batch(redis_url):
-    client = Gated.from_url(redis_url)
-    client.gate = threading.Event()
+def test_a_lone_call_goes_alone_and_a_full_queue_goes_in_pipelines_of_max_batch(gated):
+    client = gated
     client.gate.set()
     batch = ScriptBatch(client, max_batch=4)
     echo = client.register_script(ECHO)
@@ -68,25 +82,18 @@ def test_a_lone_call_goes_alone_and_a_full_queue_goes_in_pipelines_of_max_batch(
     assert (batch.pipelines, batch.calls) == (1, 1)
     client.gate.clear()
     with ThreadPoolExecutor(10) as pool:
-        first = pool.submit(batch.run, echo, ["k"], ["0"])
-        _wait_for(lambda: batch.pipelines == 2)
-        rest = [pool.submit(batch.run, echo, ["k"], [str(i)]) for i in range(1, 10)]
-        _wait_for(lambda: _queued(batch) == 9)
+        first, rest = _behind_one(pool, batch, echo, (["k"], ["0"]), [(["k"], [str(i)]) for i in range(1, 10)])
         client.gate.set()
         assert [first.result(10)[1]] + [f.result(10)[1] for f in rest] == [str(i).encode() for i in range(10)]
     assert (batch.pipelines, batch.calls) == (2 + 3, 11)  # nine queued: 4 + 4 + 1
 
 
-def test_a_script_error_fails_only_its_own_call(redis_url):
-    client = Gated.from_url(redis_url)
-    client.gate = threading.Event()
+def test_a_script_error_fails_only_its_own_call(gated):
+    client = gated
     batch = ScriptBatch(client)
     script = client.register_script(FAILS_ON_BAD)
     with ThreadPoolExecutor(4) as pool:
-        first = pool.submit(batch.run, script, ["good0"])
-        _wait_for(lambda: batch.pipelines == 1)
-        rest = [pool.submit(batch.run, script, [key]) for key in ("good1", "bad", "good2")]
-        _wait_for(lambda: _queued(batch) == 3)
+        first, rest = _behind_one(pool, batch, script, (["good0"],), [([key],) for key in ("good1", "bad", "good2")])
         client.gate.set()
         assert first.result(10) == b"good0"
         assert rest[0].result(10) == b"good1" and rest[2].result(10) == b"good2"
@@ -110,9 +117,8 @@ def test_a_failed_connection_fails_every_caller_and_the_next_calls_still_go(redi
     assert batch.run(echo, ["k"], ["back"]) == [b"k", b"back"]
 
 
-def test_a_script_redis_lost_is_loaded_again_alone_or_in_a_pipeline(redis_url):
-    client = Gated.from_url(redis_url)
-    client.gate = threading.Event()
+def test_a_script_redis_lost_is_loaded_again_alone_or_in_a_pipeline(gated):
+    client = gated
     client.gate.set()
     batch = ScriptBatch(client)
     echo = client.register_script(ECHO)
@@ -121,10 +127,7 @@ def test_a_script_redis_lost_is_loaded_again_alone_or_in_a_pipeline(redis_url):
     client.script_flush()
     client.gate.clear()
     with ThreadPoolExecutor(3) as pool:
-        first = pool.submit(batch.run, echo, ["a"], ["0"])
-        _wait_for(lambda: batch.pipelines == 2)
-        rest = [pool.submit(batch.run, echo, ["b"], [str(i)]) for i in (1, 2)]
-        _wait_for(lambda: _queued(batch) == 2)
+        first, rest = _behind_one(pool, batch, echo, (["a"], ["0"]), [(["b"], [str(i)]) for i in (1, 2)])
         client.script_flush()  # the pipeline's EVALSHA finds nothing
         client.gate.set()
         assert first.result(10) == [b"a", b"0"] and [f.result(10) for f in rest] == [[b"b", b"1"], [b"b", b"2"]]
