@@ -612,7 +612,9 @@ class ColdTier:
 
     def prefix_waiters(self, block_hashes: Sequence[BlockHash], first_missing: int = 0) -> int:
         """How many callers wait for the prefix that `ensure_prefix` builds now (they
-        listen on its lock's channel): a builder with none need not write its blocks."""
+        listen on its lock's channel). The builder itself counts them in the release
+        script (SingleFlight.release_unless_waited); this is the same count, for a look
+        from outside."""
         lock_key = self._prefix_lock(block_hashes, first_missing)
         return int(dict(self._lock_client.pubsub_numsub(lock_key)).get(lock_key.encode(), 0))
 

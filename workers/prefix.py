@@ -104,12 +104,10 @@ class PrefixSharing:
                 else:
                     self._run_until_computed(submit)
 
-            def store() -> None:  # the job was the prefill, and somebody waits for its blocks
-                self.tier.write(self.engine.call_soon(lambda: self._copy(hashes, (hot, covered))).result())
-
-            # present_run stopped at hashes[covered]: the flight need not look again.
-            source = self.tier.ensure_prefix(hashes, build, first_missing=covered, known_missing=True,
-                                             store=None if submit is None else store)
+            # present_run stopped at hashes[covered]: the flight need not look again. With
+            # the job as the prefill, its blocks are stored only if somebody waits for them.
+            store = None if submit is None else lambda: self._store(hashes, (hot, covered))
+            source = self.tier.ensure_prefix(hashes, build, first_missing=covered, known_missing=True, store=store)
             log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes) - covered,
                                              "source": source.value})
             if source is PrefixSource.BUILT:
@@ -150,9 +148,13 @@ class PrefixSharing:
                            cache_salt: str | None, *, cold_run: tuple[int, int]) -> None:
         # One token of output is the cheapest request that computes every prompt block.
         self.engine.generate(f"{job_id}/prefix", prompt, 1, Sampling(), cache_salt=cache_salt)
-        # Copy on the step thread, where no step can reuse a block mid-copy; write here.
-        items = self.engine.call_soon(lambda: self._copy(hashes, cold_run)).result()
-        self.tier.write(items)
+        self._store(hashes, cold_run)
+
+    def _store(self, hashes: list[str], cold_run: tuple[int, int]) -> None:
+        """Write the prompt's computed blocks to the cold tier, those of `cold_run` (there
+        already) aside: copied on the step thread, where no step can reuse a block
+        mid-copy, written from this one."""
+        self.tier.write(self.engine.call_soon(lambda: self._copy(hashes, cold_run)).result())
 
     @staticmethod
     def _run_until_computed(submit: Submit) -> None:
