@@ -57,6 +57,18 @@ return {1, 'queued', ARGV[1]}
 """
 
 # ARGV: to_state, ttl (0 = keep), allowed-from states joined by ',', then field, value...
+#: Every job's state in one call: KEYS are the job hashes; a missing job's state is nil.
+#: One script instead of a pipelined HGET per job, because a worker's run watch asks for
+#: every running job's state five times a second, and redis-py spends per command several
+#: times what Redis does (issue 16: 2,000 HGETs a second per worker at 200 jobs).
+_STATES = """
+local states = {}
+for i, key in ipairs(KEYS) do
+  states[i] = redis.call('HGET', key, 'state')
+end
+return states
+"""
+
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {0, ''} end
@@ -216,6 +228,7 @@ class JobStore:
         #: share a round trip (each write stays atomic on its own).
         self._finishes = ScriptBatch(client)
         self._begin = client.register_script(_BEGIN)
+        self._states = client.register_script(_STATES)
         self._admit = client.register_script(ledger.ADMIT)
         self._ledger_keys = ledger.ledger_keys(keys)
 
@@ -363,10 +376,9 @@ class JobStore:
 
     def states(self, job_ids: Sequence[str]) -> list[Optional[JobState]]:
         """Every job's state in one round trip (None: no such job)."""
-        with self.client.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hget(self.keys.job(job_id), "state")
-            raw = pipe.execute()
+        if not job_ids:
+            return []
+        raw = self._states(keys=[self.keys.job(job_id) for job_id in job_ids])
         return [JobState(r.decode()) if r else None for r in raw]
 
     def get(self, job_id: str) -> Optional[JobResult]:

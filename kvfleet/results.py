@@ -102,10 +102,12 @@ class ResultRelay:
 
     def __init__(self, client: redis.Redis, keys: Keys, producer: KafkaProducer, topics: KnownTopics, *,
                  results_topic: str, reserved_topics: Iterable[str], consumer: str,
-                 claim_idle_ms: int = CLAIM_IDLE_MS, batch: int = BATCH) -> None:
+                 claim_idle_ms: int = CLAIM_IDLE_MS, batch: int = BATCH, gather_s: float = 0.0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         """`reserved_topics`: kvfleet's own request and dead-letter topics, never a reply
         topic (a result there would be dead-lettered as a malformed job). `consumer`:
-        this relay's name in the group, unique per process."""
+        this relay's name in the group, unique per process. `gather_s`: the least time
+        between two batches while results keep coming (`step`), waited with `sleep`."""
         self.client = client
         self.outbox = keys.results_outbox
         self.producer = producer
@@ -115,6 +117,9 @@ class ResultRelay:
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
         self.batch = batch
+        self.gather_s = gather_s
+        self.sleep = sleep
+        self._relayed_at = float("-inf")  # when the last batch with entries was acknowledged
         self._own_pending = True  # read this relay's pending entries before new ones
         self._claim_from = "0-0"  # XAUTOCLAIM's cursor through the group's pending entries
         self._next_claim = self._next_observe = 0.0
@@ -133,9 +138,22 @@ class ResultRelay:
 
     def step(self, *, block_ms: int = 0) -> int:
         """Relay one batch: entries a dead relay left, else this relay's own, else new
-        ones (waiting up to `block_ms` for them). Returns how many were produced."""
+        ones (waiting up to `block_ms` for them). Returns how many were produced.
+
+        A step that follows a batch by less than `gather_s` first waits out the rest of
+        it. Under load, jobs end an engine step at a time, and each of their results
+        alone cost a produce request and an acknowledgement of its own: a Kafka
+        request and two Redis round trips per 128-token job (issue 16). A result
+        that finds the relay idle is read and sent at once."""
+        wait = self._relayed_at + self.gather_s - time.monotonic()
+        if wait > 0:
+            self.sleep(wait)
         entries = self.claim() or self.read(block_ms)
-        return self.relay(entries) if entries else 0
+        if not entries:
+            return 0
+        relayed = self.relay(entries)
+        self._relayed_at = time.monotonic()
+        return relayed
 
     def ensure_group(self) -> None:
         try:

@@ -274,6 +274,10 @@ class SchedulerSettings:
     #: instead of a round and a message each (docs/benchmarks.md, "Job path"), at a cost
     #: of at most that to a job that waits for budget anyway. 0: admit at the first.
     round_gather_ms: int = knob(10, "SCHEDULER_ROUND_GATHER_MS", int, lo=0)
+    #: While results keep coming, the results relay sends at most one batch to Kafka per
+    #: this many ms (kvfleet/results.py): a result that arrives when the relay is idle goes
+    #: at once, the ones that trickle in behind it share a produce request. 0: every read.
+    results_gather_ms: int = knob(10, "RESULTS_GATHER_MS", int, lo=0)
     #: An operator's cap on the fleet's token budget; 0 = the live workers' KV capacity.
     capacity_ceiling_tokens: int = knob(0, "CAPACITY_CEILING_TOKENS", int, lo=0)
     #: A reservation's lease from admission until a worker starts the job and renews

@@ -551,7 +551,8 @@ def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: 
     relay = ResultRelay(client, keys, make_producer(settings.kafka, client_id=f"{client_id}-results",
                                                     linger_ms=RELAY_LINGER_MS),
                         KnownTopics(admin.list_topics, close=admin.close), results_topic=settings.kafka.results,
-                        reserved_topics=[*settings.kafka.topics, settings.kafka.dlq], consumer=replica)
+                        reserved_topics=[*settings.kafka.topics, settings.kafka.dlq], consumer=replica,
+                        gather_s=s.results_gather_ms / 1000)
     return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"),
                             dispatcher, Ledger(client, keys), capacity,
                             tenancy or Tenancy.from_settings(settings), Tokenize(settings.model.source), relay=relay,

@@ -43,6 +43,19 @@ def test_create_many_is_create_for_each_job_in_one_round_trip(store):
     assert store.states(["new1", "old", "new2"]) == [JobState.QUEUED] * 3
 
 
+def test_states_reads_every_job_in_one_command(store, redis_client):
+    for job in (_job("a"), _job("b")):
+        store.create(job)
+    store.transition("b", JobState.ADMITTED, admitted_at=1.0)
+    store.states(["a"])  # loads the script: its first call may take two
+    calls = redis_client.info("commandstats")
+    assert store.states(["a", "nobody", "b"]) == [JobState.QUEUED, None, JobState.ADMITTED]
+    after = redis_client.info("commandstats")
+    assert after["cmdstat_evalsha"]["calls"] - calls.get("cmdstat_evalsha", {"calls": 0})["calls"] == 1
+    assert after.get("cmdstat_hget", {"calls": 0})["calls"] - calls.get("cmdstat_hget", {"calls": 0})["calls"] == 3
+    assert store.states([]) == []
+
+
 def test_states_move_one_way(store):
     job = _job()
     store.create(job)

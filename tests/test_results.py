@@ -196,6 +196,42 @@ def test_a_relay_killed_between_produce_and_ack_produces_the_same_results_again(
     assert copies["loop"][0][2]["reply_to_error"] == b"reserved_topic"
 
 
+def test_results_that_arrive_while_the_relay_gathers_share_its_next_batch(redis_client, kafka_bootstrap, prefix):
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap, topic_prefix=f"{prefix}.requests", partitions=2)
+    ensure_topics(kafka)
+    store = JobStore(redis_client, Keys(prefix))
+
+    def finish(job_id: str) -> None:
+        job = _job(job_id)
+        store.create(job)
+        assert store.start(job_id, now=time.time(), worker="w").ok
+        assert store.finish(_done(job)).ok
+
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the next engine step's jobs end while the relay waits
+        waits.append(seconds)
+        if len(waits) == 1:
+            for job_id in ("b", "c", "d"):
+                finish(job_id)
+
+    finish("a")
+    producer = make_producer(kafka, client_id="results-test")
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        relay = ResultRelay(redis_client, Keys(prefix), producer, KnownTopics(admin.list_topics),
+                            results_topic=kafka.results, reserved_topics=[*kafka.topics, kafka.dlq],
+                            consumer="gatherer", gather_s=60.0, sleep=sleep)
+        relay.ensure_group()
+        assert relay.step() == 1 and waits == []  # found idle: the first result goes at once
+        assert relay.step() == 3  # behind a batch: it waited, and the three went as one
+        assert len(waits) == 1 and 59.0 < waits[0] <= 60.0
+    finally:
+        producer.close(timeout=5)
+        admin.close()
+    assert sorted(by_job(read_topic(kafka_bootstrap, kafka.results, lambda ms: len(ms) >= 4))) == ["a", "b", "c", "d"]
+
+
 # --- through a real fleet --------------------------------------------------------------
 
 def test_every_native_result_reaches_the_results_topic_once_done_expired_or_cancelled(make_fleet):
