@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 
 from kvfleet.constants import Keys
 from kvfleet.contracts import JobRequest, JobResult, JobState, Priority, Usage, Timings
 from kvfleet.jobstore import JobStore
 from kvstore.lock import Lease
+from tests.recording_redis import Recording
 
 
 def _job(job_id: str = "j1", tenant: str = "acme") -> JobRequest:
@@ -44,36 +44,14 @@ def test_create_many_is_create_for_each_job_in_one_round_trip(store):
     assert store.states(["new1", "old", "new2"]) == [JobState.QUEUED] * 3
 
 
-class _Recording(redis.Redis):
-    """A client that records the name of every command it sends, pipelined or not."""
-
-    sent: list[str]
-
-    def execute_command(self, *args, **options):
-        self.sent.append(str(args[0]).upper())
-        return super().execute_command(*args, **options)
-
-    def pipeline(self, transaction: bool = True, shard_hint=None):
-        pipe = super().pipeline(transaction, shard_hint)
-        execute = pipe.execute
-
-        def recorded(*args, **kwargs):
-            self.sent += [str(command[0][0]).upper() for command in pipe.command_stack]
-            return execute(*args, **kwargs)
-
-        pipe.execute = recorded
-        return pipe
-
-
 def test_states_reads_every_job_in_one_command(redis_url, prefix):
-    client = _Recording.from_url(redis_url)
-    client.sent = []
+    client = Recording.from_url(redis_url)
     store = JobStore(client, Keys(prefix))
     for job in (_job("a"), _job("b")):
         store.create(job)
     store.transition("b", JobState.ADMITTED, admitted_at=1.0)
     store.states(["a"])  # loads the script: its first call may take a SCRIPT LOAD and two EVALSHAs
-    client.sent.clear()
+    client.trips.clear()
     assert store.states(["a", "nobody", "b"]) == [JobState.QUEUED, None, JobState.ADMITTED]
     assert client.sent == ["EVALSHA"]  # not an HGET per job
     assert store.states([]) == [] and client.sent == ["EVALSHA"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import redis
 
 from kvfleet.constants import Keys
 from kvfleet.contracts import Sampling
@@ -20,6 +19,7 @@ from kvstore.hooks import ColdTierHooks
 from workers.engine import Engine, EngineConfig
 from workers.model.loader import load_model
 from workers.prefix import PrefixSharing, PrefixSharingEngine
+from tests.recording_redis import Recording
 
 #: Round trips of the prefix step for a unique prompt of at least `min_blocks` blocks:
 #: the cache's EXISTS run (present_run), then on the state instance the flight's claim
@@ -30,28 +30,6 @@ from workers.prefix import PrefixSharing, PrefixSharingEngine
 UNIQUE_PROMPT_ROUND_TRIPS = {"cache": 1, "state": 2}
 
 
-class Counting(redis.Redis):
-    """A client that counts its round trips: a command, or a pipeline's execute."""
-
-    round_trips: int = 0
-
-    def execute_command(self, *args, **options):
-        self.round_trips += 1
-        return super().execute_command(*args, **options)
-
-    def pipeline(self, transaction: bool = True, shard_hint=None):
-        pipe = super().pipeline(transaction, shard_hint)
-        execute = pipe.execute
-
-        def counted(*args, **kwargs):
-            if pipe.command_stack:
-                self.round_trips += 1
-            return execute(*args, **kwargs)
-
-        pipe.execute = counted
-        return pipe
-
-
 def _prompt(seed: int, n: int = 200) -> list[int]:
     return [(i * 37 + seed * 101 + 11) % 250 for i in range(n)]  # 12 full blocks of 16
 
@@ -60,8 +38,8 @@ def _prompt(seed: int, n: int = 200) -> list[int]:
 def counted(cache_redis_url, redis_url, prefix):
     hooks = ColdTierHooks(prefetch_only=True)
     engine = Engine(load_model("builtin:tiny"), EngineConfig(num_blocks=128, max_model_len=512), hooks=hooks)
-    cache = Counting.from_url(cache_redis_url)
-    state = Counting.from_url(redis_url)
+    cache = Recording.from_url(cache_redis_url)
+    state = Recording.from_url(redis_url)
     cache.connection_pool.connection_kwargs.update(socket_timeout=1.0)  # as connect() does
     hooks.tier = ColdTier(cache, Keys(prefix), engine.block_manager.fingerprint, engine.kv_cache,
                           kernels=engine.kernels, quant=Quant.NONE, ttl_s=120, grace_s=60,

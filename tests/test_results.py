@@ -147,9 +147,9 @@ class CrashBeforeAck(ResultRelay):
 
 
 def _relay(cls: type[ResultRelay], redis_client, kafka: KafkaSettings, prefix: str, producer, admin, *,
-           consumer: str, claim_idle_ms: int) -> ResultRelay:
+           consumer: str, **options) -> ResultRelay:
     return cls(redis_client, Keys(prefix), producer, KnownTopics(admin.list_topics), results_topic=kafka.results,
-               reserved_topics=[*kafka.topics, kafka.dlq], consumer=consumer, claim_idle_ms=claim_idle_ms)
+               reserved_topics=[*kafka.topics, kafka.dlq], consumer=consumer, **options)
 
 
 def test_a_relay_killed_between_produce_and_ack_produces_the_same_results_again(redis_client, kafka_bootstrap,
@@ -219,9 +219,8 @@ def test_results_that_arrive_while_the_relay_gathers_share_its_next_batch(redis_
     producer = make_producer(kafka, client_id="results-test")
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     try:
-        relay = ResultRelay(redis_client, Keys(prefix), producer, KnownTopics(admin.list_topics),
-                            results_topic=kafka.results, reserved_topics=[*kafka.topics, kafka.dlq],
-                            consumer="gatherer", gather_s=60.0, sleep=sleep)
+        relay = _relay(ResultRelay, redis_client, kafka, prefix, producer, admin, consumer="gatherer",
+                       gather_s=60.0, sleep=sleep)
         relay.ensure_group()
         assert relay.step() == 1 and waits == []  # found idle: the first result goes at once
         assert relay.step() == 3  # behind a batch: it waited, and the three went as one
