@@ -460,7 +460,8 @@ def print_job_path(jobs: dict) -> None:
         if "engine_step_share" in r["fleet"]:
             f = r["fleet"]
             print(f"  the engines: {f['engine_step_share']:.0%} of the run in steps; a step's wall time "
-                  f"{f['engine_step_wall_over_cpu']:.1f}x its step thread's CPU time")
+                  f"{f['engine_step_wall_over_cpu']:.1f}x its step thread's CPU time, "
+                  f"{f.get('engine_step_cpu_wait_share', float('nan')):.0%} of it waiting for a core")
         if "ledger_jobs_p50" in r["fleet"]:
             f = r["fleet"]
             print(f"  jobs holding a reservation (slots taken): p50 {f['ledger_jobs_p50']}, p90 {f['ledger_jobs_p90']}, "

@@ -210,7 +210,8 @@ def hop_medians(per_job: dict[str, dict[str, float]], average=statistics.median)
 
 
 #: The engine's own clocks, summed over the workers (workers/engine/metrics.py).
-ENGINE_CLOCKS = ("kvfleet_engine_step_seconds_sum", "kvfleet_engine_step_cpu_seconds_total")
+ENGINE_CLOCKS = ("kvfleet_engine_step_seconds_sum", "kvfleet_engine_step_cpu_seconds_total",
+                 "kvfleet_engine_step_cpu_wait_seconds_total")
 
 
 #: A worker's Prometheus samples, {'name{labels}': value} (tests/fleet.py `Fleet.metrics`).
@@ -227,11 +228,15 @@ def engine_shares(before: dict[str, float], after: dict[str, float], wall_s: flo
     """Where the engines' time went during a run: the share of it in steps (the rest the
     step loops waited for work, or scheduled and delivered), and a step's wall time over
     its thread's CPU time (above 1: the step waited, in a worker for the GIL its other
-    threads held, or for a core)."""
-    step = after["kvfleet_engine_step_seconds_sum"] - before["kvfleet_engine_step_seconds_sum"]
-    cpu = after["kvfleet_engine_step_cpu_seconds_total"] - before["kvfleet_engine_step_cpu_seconds_total"]
+    threads held, or for a core), and the share of its wall time it waited for a core."""
+    def spent(name: str) -> float:
+        return after[name] - before[name]
+
+    step = spent("kvfleet_engine_step_seconds_sum")
+    cpu = spent("kvfleet_engine_step_cpu_seconds_total")
     return {"engine_step_share": step / (wall_s * workers),
-            "engine_step_wall_over_cpu": step / cpu if cpu else float("nan")}
+            "engine_step_wall_over_cpu": step / cpu if cpu else float("nan"),
+            "engine_step_cpu_wait_share": spent("kvfleet_engine_step_cpu_wait_seconds_total") / step if step else float("nan")}
 
 
 class LedgerSampler:

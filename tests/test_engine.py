@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from tests.test_model import save_tiny_checkpoint
 from workers.engine import (
     Engine, EngineConfig, EngineStopped, InvalidRequest, MissingBlock, PromptTooLong, RequestCancelled, StepFailed,
 )
+from workers.engine.loop import CpuWait
 from workers.model import LoadedModel, load_model
 
 torch.set_num_threads(1)
@@ -242,3 +247,29 @@ def test_metrics_time_the_steps_on_the_clock_and_on_the_step_thread(tiny):
     # The step thread's CPU time over the same spans as the wall time: never more (one
     # thread, the clocks' resolutions apart).
     assert cpu <= wall + 0.001 * 10
+    # Its waits for a core, within the steps' wall time too (the kernel counts in ns).
+    waited = value("kvfleet_engine_step_cpu_wait_seconds_total")
+    assert 0 <= waited <= value("kvfleet_engine_step_seconds_sum") + 0.001
+
+
+@pytest.mark.skipif(not (hasattr(os, "sched_setaffinity") and os.path.exists("/proc/thread-self/schedstat")),
+                    reason="Linux: per-thread CPU affinity and schedstat")
+def test_cpu_wait_counts_the_time_a_thread_waits_for_a_core_another_process_holds():
+    """What `kvfleet_engine_step_cpu_wait_seconds` adds up: this thread, pinned to one core
+    beside a process that spins on it, is ready to run about half of the time it is not
+    running; a wait for a lock would not count."""
+    core = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    before_affinity = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {core})  # this thread only (Linux affinity is per thread)
+        clock = CpuWait()
+        start = clock.seconds()
+        deadline = time.monotonic() + 60
+        while clock.seconds() - start <= 0.01 and time.monotonic() < deadline:
+            sum(range(10_000))  # stay ready to run
+        assert clock.seconds() - start > 0.01
+    finally:
+        os.sched_setaffinity(0, before_affinity)
+        spinner.kill()
+        spinner.wait()

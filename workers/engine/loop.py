@@ -14,6 +14,7 @@ goes on; however the loop ends, every request still unresolved fails with Engine
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -30,6 +31,29 @@ from workers.engine.stats import EngineStats
 from workers.engine.stops import StopWatch, cut_at_stop
 
 log = logging.getLogger(__name__)
+
+
+class CpuWait:
+    """How long the calling thread has waited, ready to run, for a CPU core (the second
+    field of Linux's /proc/thread-self/schedstat, in ns): a step's wall time beyond its
+    CPU time is this (the machine's cores were busy) or a wait for the GIL (the worker's
+    other threads held it). One pread of a file kept open: a few µs a step. 0 where the
+    kernel does not report it."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def seconds(self) -> float:
+        if self._fd is None:
+            return 0.0
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            self._fd = None
+            return 0.0
 
 
 class StepLoop:
@@ -54,6 +78,7 @@ class StepLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        self._cpu_wait = CpuWait()  # opened here: it reads the thread that opens it
         try:
             while True:
                 idle = self.scheduler.is_idle
@@ -97,11 +122,12 @@ class StepLoop:
         metrics.PRIORITY_GUARDED_STEPS.inc(self.scheduler.guarded_steps - guarded)
         metrics.PRIORITY_PREEMPTIONS.inc(self.scheduler.num_priority_preemptions - preempted)
         if batch.seqs:  # empty only when the one running sequence preempted itself
-            started, cpu_started = time.perf_counter(), time.thread_time()
+            started, cpu_started, wait_started = time.perf_counter(), time.thread_time(), self._cpu_wait.seconds()
             failpoints.hit("engine.step")  # a fault injected by tests and chaos runs (kvfleet/failpoints.py)
             sampled = self.runner.run(batch)  # returns host tokens: the device is done
             elapsed = time.perf_counter() - started
             metrics.STEP_CPU_SECONDS.inc(time.thread_time() - cpu_started)
+            metrics.STEP_CPU_WAIT_SECONDS.inc(max(0.0, self._cpu_wait.seconds() - wait_started))
             self.scheduler.step_cost.observe(batch.num_tokens, elapsed)
             metrics.STEP_SECONDS.observe(elapsed)
             drafted, accepted = self.scheduler.spec_draft_tokens, self.scheduler.spec_accepted_tokens

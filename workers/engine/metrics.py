@@ -42,6 +42,11 @@ STEP_CPU_SECONDS = Counter(
     "kvfleet_engine_step_cpu_seconds",
     "CPU time of the step thread in engine steps (the model's forward and sampling)",
 )
+STEP_CPU_WAIT_SECONDS = Counter(
+    "kvfleet_engine_step_cpu_wait_seconds",
+    "Time the step thread was ready to run during steps but waited for a CPU core that other threads or "
+    "processes held (Linux schedstat; 0 where the kernel does not report it)",
+)
 PRIORITY_GUARDED_STEPS = Counter(
     "kvfleet_engine_priority_guarded_steps",
     "Steps in which lower classes' tokens were held back to keep a higher class's step short",
