@@ -95,7 +95,7 @@ class LineWriter(logging.Handler):
                 if text:
                     self.stream.write(text)
                     self.stream.flush()
-            except (OSError, ValueError):  # the stream is closed or broken: nowhere to write to
+            except Exception:  # noqa: BLE001 - the stream is closed or broken: the lines are lost, the thread lives
                 pass
             if done:
                 return

@@ -52,8 +52,13 @@ class CpuWait:
         try:
             return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
         except (OSError, IndexError, ValueError):
-            self._fd = None
+            self.close()
             return 0.0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class StepLoop:
@@ -98,6 +103,7 @@ class StepLoop:
                     self._publish_stats()  # before the failures: a caller that sees one sees the count
                     self._fail_in_flight(e)
         finally:  # however the loop ends, no caller is left waiting
+            self._cpu_wait.close()
             log.info("engine loop stopped")
             pending, calls = self.inbox.close()
             self._fail(pending, EngineStopped("the engine shut down before the request finished"))
