@@ -14,6 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
 from kvfleet import constants
 from kvfleet.infra import procs
 
@@ -63,6 +65,18 @@ def running(inst: RedisInstance) -> bool:
     return procs.read_pid(inst.pidfile) is not None and procs.port_open(HOST, inst.port)
 
 
+def _ready(inst: RedisInstance) -> bool:
+    """It answers commands: a Redis that has opened its port may still be loading its
+    append-only file, and answers LOADING until it is done (a test's first command failed
+    with BusyLoadingError)."""
+    if not procs.port_open(HOST, inst.port):
+        return False
+    try:
+        return bool(redis.Redis(host=HOST, port=inst.port, socket_timeout=1.0).ping())
+    except redis.RedisError:  # BusyLoadingError among them
+        return False
+
+
 def start(inst: RedisInstance, timeout: float = 20.0) -> str:
     if running(inst):
         return inst.url
@@ -74,7 +88,7 @@ def start(inst: RedisInstance, timeout: float = 20.0) -> str:
          "--daemonize", "yes", "--pidfile", str(inst.pidfile), "--logfile", str(log), *inst.args],
         check=True,
     )
-    procs.wait_until(lambda: procs.port_open(HOST, inst.port), timeout, f"redis {inst.name} on :{inst.port}", log=log)
+    procs.wait_until(lambda: _ready(inst), timeout, f"redis {inst.name} on :{inst.port}", log=log)
     print(f"redis {inst.name} up at {inst.url}", flush=True)
     return inst.url
 
