@@ -58,7 +58,7 @@ class LineWriter(logging.Handler):
     def __init__(self, stream: TextIO) -> None:
         super().__init__()
         self.stream = stream
-        self._lines: queue.SimpleQueue[Optional[str]] = queue.SimpleQueue()
+        self._lines: queue.SimpleQueue[Optional[str]]  # set by _start, with the thread that empties it
         self._thread: Optional[threading.Thread] = None
         self._closed = False
         self._start()

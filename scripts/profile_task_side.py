@@ -40,12 +40,9 @@ from kvfleet.contracts import JobRequest, Priority, Sampling, to_builtins  # noq
 from kvfleet.jobstore import JobStore  # noqa: E402
 from kvfleet.settings import Settings  # noqa: E402
 from kvfleet.tenancy import Tenancy  # noqa: E402
-from kvstore.hooks import ColdTierHooks  # noqa: E402
-from workers.engine import Engine  # noqa: E402
 from workers.model.loader import load_model  # noqa: E402
-from workers.prefix import PrefixSharing, PrefixSharingEngine  # noqa: E402
 from workers.runner import JobRunner  # noqa: E402
-from workers.service import cold_tier  # noqa: E402
+from workers.service import build_engine  # noqa: E402
 from workers.streaming import StreamPublisher  # noqa: E402
 from workers.tasks import register  # noqa: E402
 
@@ -69,14 +66,7 @@ def main() -> None:
     logs.setup("worker", settings.log_level)
 
     model = load_model("builtin:tiny")
-    hooks = ColdTierHooks(prefetch_only=True)
-    engine = Engine(model, settings.engine, hooks=hooks)
-    generator = engine
-    if settings.cold_tier.enabled:
-        hooks.tier = cold_tier(settings, engine)
-        hooks.give_back = engine.block_manager.give_back
-        generator = PrefixSharingEngine(engine, PrefixSharing(
-            engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks))
+    engine, generator, hooks = build_engine(settings, model)  # as the worker builds them
     client = redis.Redis.from_url(settings.redis.url)
     store = JobStore(client, settings.redis.keys)
     stream = StreamPublisher(client, settings.redis.keys, model.tokenizer).start() if settings.worker.stream else None

@@ -38,10 +38,10 @@ from workers.drain import Drain
 from workers.engine import Engine
 from workers.health import EngineHealth
 from workers.heartbeat import Heartbeat
-from workers.model.loader import load_model
+from workers.model.loader import LoadedModel, load_model
 from workers.prefix import PrefixSharing, PrefixSharingEngine
 from workers.result_cache import ResultCache, outputs_fingerprint
-from workers.runner import JobRunner
+from workers.runner import Generator, JobRunner
 from workers.streaming import StreamPublisher
 from workers.tasks import register
 
@@ -61,6 +61,22 @@ def cold_tier(settings: Settings, engine: Engine) -> ColdTier:
                     lock_client=redis.Redis.from_url(settings.redis.url))
 
 
+def build_engine(settings: Settings, model: LoadedModel) -> tuple[Engine, Generator, ColdTierHooks]:
+    """The engine; what the job runner calls (the engine, or with the cold tier the engine
+    behind its prefix step); and the block hooks whose tier (None without one) the
+    worker closes at exit."""
+    hooks = ColdTierHooks(prefetch_only=True)  # loads are prefetched in the task threads (workers/prefix.py)
+    engine = Engine(model, settings.engine, hooks=hooks)
+    if not settings.cold_tier.enabled:
+        return engine, engine, hooks
+    # The engine owns its pool only once built, so the tier is attached after.
+    hooks.tier = cold_tier(settings, engine)
+    hooks.give_back = engine.block_manager.give_back  # spills go straight from the pool
+    return engine, PrefixSharingEngine(engine, PrefixSharing(
+        engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks,
+        prefill_tokens_per_s=settings.cold_tier.prefill_tokens_per_s)), hooks
+
+
 def main() -> None:
     settings = Settings.from_env()
     logs.setup("worker", settings.log_level)
@@ -68,16 +84,7 @@ def main() -> None:
     started_at = time.time()
 
     model = load_model(settings.model.source, device=settings.model.device, dtype=settings.model.dtype)
-    hooks = ColdTierHooks(prefetch_only=True)  # loads are prefetched in the task threads (workers/prefix.py)
-    engine = Engine(model, settings.engine, hooks=hooks)
-    generator = engine
-    if settings.cold_tier.enabled:
-        # The engine owns its pool only once built, so the tier is attached after.
-        hooks.tier = cold_tier(settings, engine)
-        hooks.give_back = engine.block_manager.give_back  # spills go straight from the pool
-        generator = PrefixSharingEngine(engine, PrefixSharing(
-            engine, hooks.tier, min_blocks=settings.cold_tier.single_flight_min_blocks,
-            prefill_tokens_per_s=settings.cold_tier.prefill_tokens_per_s))
+    engine, generator, hooks = build_engine(settings, model)
     concurrency = settings.worker_concurrency
     log.info("model loaded", extra={"model": model.name, "device": str(model.device), "dtype": str(model.dtype),
                                     "fingerprint": model.fingerprint,

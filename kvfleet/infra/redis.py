@@ -69,11 +69,10 @@ def _ready(inst: RedisInstance) -> bool:
     """It answers commands: a Redis that has opened its port may still be loading its
     append-only file, and answers LOADING until it is done (a test's first command failed
     with BusyLoadingError)."""
-    if not procs.port_open(HOST, inst.port):
-        return False
     try:
-        return bool(redis.Redis(host=HOST, port=inst.port, socket_timeout=1.0).ping())
-    except redis.RedisError:  # BusyLoadingError among them
+        with redis.Redis(host=HOST, port=inst.port, socket_timeout=1.0) as client:
+            return bool(client.ping())
+    except redis.RedisError:  # not listening yet (ConnectionError), or BusyLoadingError
         return False
 
 
