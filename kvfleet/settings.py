@@ -505,6 +505,15 @@ class WorkerSettings:
     #: (max_num_seqs) plus the policy's high_slot_reserve of the threads
     #: (`Settings.worker_concurrency`): one batch runs while the next are on their way.
     concurrency: int = knob(0, "WORKER_CONCURRENCY", int, lo=0)
+    #: torch's intra-op threads in the worker process. 0 = `OMP_NUM_THREADS` if the
+    #: environment sets it, else 1, as torchrun sets for several processes a machine:
+    #: a CPU worker shares its cores with its sibling workers (`--scale worker=N`), the
+    #: scheduler, Kafka and Redis, and an intra-op pool's threads spin between ops on
+    #: cores those need. On this repository's 2-core CI machine, one thread instead of
+    #: two ran builtin:tiny and builtin:english faster even alone (1.4-1.8x), and in the
+    #: fleet it cut a short job's worker CPU by a third (docs/benchmarks.md); builtin:bench
+    #: alone ran 1.3x faster on two. Raise it for one worker on a machine of its own.
+    torch_threads: int = knob(0, "WORKER_TORCH_THREADS", int, lo=0)
     #: Seconds before Redis hands an unacknowledged task to another worker. It counts
     #: from *delivery*, not from start: a task that waits in a prefetch buffer longer
     #: than this is delivered twice. So prefetch is 1 per thread, and the job's run

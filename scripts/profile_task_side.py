@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis  # noqa: E402
+import torch  # noqa: E402
 from celery import Celery  # noqa: E402
 
 from kvfleet import constants, logs  # noqa: E402
@@ -42,7 +45,7 @@ from kvfleet.settings import Settings  # noqa: E402
 from kvfleet.tenancy import Tenancy  # noqa: E402
 from workers.model.loader import load_model  # noqa: E402
 from workers.runner import JobRunner  # noqa: E402
-from workers.service import build_engine  # noqa: E402
+from workers.service import build_engine, torch_threads  # noqa: E402
 from workers.streaming import StreamPublisher  # noqa: E402
 from workers.tasks import register  # noqa: E402
 
@@ -50,6 +53,21 @@ from workers.tasks import register  # noqa: E402
 def thread_cpu_s(native_id: int) -> float:
     with open(f"/proc/self/task/{native_id}/schedstat") as f:
         return int(f.read().split()[0]) / 1e9
+
+
+def threads_cpu_s() -> dict[str, float]:
+    """CPU seconds of each live thread of this process, by its Python name with the
+    digits taken out (a pool's threads add up under one name)."""
+    names = {t.native_id: re.sub(r"[-_]?\d+", "", t.name) or t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            cpu = thread_cpu_s(int(task))
+        except FileNotFoundError:  # ended
+            continue
+        name = names.get(int(task), "native (torch, OpenMP)")
+        out[name] = out.get(name, 0.0) + cpu
+    return out
 
 
 def main() -> None:
@@ -65,6 +83,7 @@ def main() -> None:
     sys.stderr = open(log_file, "w")
     logs.setup("worker", settings.log_level)
 
+    torch.set_num_threads(torch_threads(settings))  # as the worker does
     model = load_model("builtin:tiny")
     engine, generator, hooks = build_engine(settings, model)  # as the worker builds them
     client = redis.Redis.from_url(settings.redis.url)
@@ -91,15 +110,20 @@ def main() -> None:
         run_jobs(message(args.jobs_per_message))
     messages = [message(args.jobs_per_message) for _ in range(args.jobs // args.jobs_per_message)]
     step_thread = engine._loop._thread.native_id
+    threads0 = threads_cpu_s()
     cpu0, engine0, wall0 = time.process_time(), thread_cpu_s(step_thread), time.perf_counter()
-    with ThreadPoolExecutor(args.messages_at_once) as pool:
-        list(pool.map(run_jobs, messages))
+    pool = ThreadPoolExecutor(args.messages_at_once, thread_name_prefix="message")
+    list(pool.map(run_jobs, messages))
     cpu, engine_cpu, wall = (time.process_time() - cpu0, thread_cpu_s(step_thread) - engine0,
                              time.perf_counter() - wall0)
     n = len(messages) * args.jobs_per_message
     print(f"{n} jobs in {wall:.2f} s ({n / wall:.0f} jobs/s); CPU per job: {cpu / n * 1e3:.3f} ms, "
           f"of it the engine's step thread {engine_cpu / n * 1e3:.3f} ms, the rest {(cpu - engine_cpu) / n * 1e3:.3f} ms")
+    threads = threads_cpu_s()
+    spent = sorted(((cpu_s - threads0.get(name, 0.0), name) for name, cpu_s in threads.items()), reverse=True)
+    print("by thread, ms per job: " + ", ".join(f"{name} {s / n * 1e3:.3f}" for s, name in spent if s / n > 1e-6))
     print(f"logs: {log_file}", file=sys.__stdout__)
+    pool.shutdown()
     engine.shutdown()
     if stream is not None:
         stream.close()

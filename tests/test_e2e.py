@@ -30,8 +30,16 @@ def expected_tokens(engine: Engine, prompt: str, max_new_tokens: int, sampling: 
     return engine.generate(f"local-{time.monotonic_ns()}", tokens, max_new_tokens, sampling).tokens
 
 
+def torch_threads_of_the_model(fleet) -> list[int]:
+    """What each worker's "model loaded" line says its engine's step thread runs with."""
+    return [msgspec.json.decode(line)["torch_threads"] for path in sorted(fleet.log_dir.glob("worker-*.log"))
+            for line in path.read_bytes().splitlines() if b'"model loaded"' in line]
+
+
 def test_sixty_jobs_three_priorities_two_tenants(make_fleet, local_engine):
     fleet = make_fleet(workers=1)
+    # One intra-op thread by default (KVFLEET_WORKER_TORCH_THREADS), on the thread the model runs on.
+    assert torch_threads_of_the_model(fleet) == [1]
     jobs = []
     clients = {t: Client(fleet.url, tenant=t) for t in ("acme", "globex")}
     for i in range(60):
@@ -107,7 +115,9 @@ def test_forty_concurrent_jobs_are_batched_by_one_worker(make_fleet, local_engin
     from tests.fleet import free_port
 
     port = free_port()
-    fleet = make_fleet(workers=1, extra_env={"KVFLEET_WORKER_METRICS_PORT": str(port)})
+    fleet = make_fleet(workers=1, extra_env={"KVFLEET_WORKER_METRICS_PORT": str(port),
+                                             "KVFLEET_WORKER_TORCH_THREADS": "2"})
+    assert torch_threads_of_the_model(fleet) == [2]  # its outputs are checked below as well
     prompts = [f"concurrent {i} " + "abc" * (i % 11) for i in range(40)]
     with Client(fleet.url, tenant="acme") as client:
         ids = [client.submit(p, max_new_tokens=32) for p in prompts]

@@ -77,3 +77,12 @@ def test_worker_threads_fill_the_engine_and_keep_the_high_reserve_free():
     assert Settings.from_env({"KVFLEET_HIGH_SLOT_RESERVE": "0"}).worker_concurrency == 3 * 64
     assert Settings.from_env({"KVFLEET_MAX_NUM_SEQS": "8"}).worker_concurrency == 32
     assert Settings.from_env({"KVFLEET_WORKER_CONCURRENCY": "16"}).worker_concurrency == 16
+
+
+def test_a_worker_gives_torch_one_thread_unless_told_otherwise():
+    from workers.service import torch_threads
+
+    assert torch_threads(Settings.from_env({}), env={}) == 1
+    assert torch_threads(Settings.from_env({}), env={"OMP_NUM_THREADS": "4"}) == 4  # the convention, if set
+    assert torch_threads(Settings.from_env({}), env={"OMP_NUM_THREADS": "lots"}) == 1
+    assert torch_threads(Settings.from_env({"KVFLEET_WORKER_TORCH_THREADS": "3"}), env={"OMP_NUM_THREADS": "4"}) == 3

@@ -20,8 +20,10 @@ import socket
 import threading
 import time
 import uuid
+from typing import Mapping
 
 import redis
+import torch
 from celery.signals import worker_shutting_down
 from prometheus_client import start_http_server
 
@@ -61,6 +63,14 @@ def cold_tier(settings: Settings, engine: Engine) -> ColdTier:
                     lock_client=redis.Redis.from_url(settings.redis.url))
 
 
+def torch_threads(settings: Settings, env: Mapping[str, str] = os.environ) -> int:
+    """The intra-op threads this worker gives torch (`KVFLEET_WORKER_TORCH_THREADS`)."""
+    if settings.worker.torch_threads:
+        return settings.worker.torch_threads
+    omp = env.get("OMP_NUM_THREADS", "")
+    return int(omp) if omp.isdigit() and int(omp) > 0 else 1
+
+
 def build_engine(settings: Settings, model: LoadedModel) -> tuple[Engine, Generator, ColdTierHooks]:
     """The engine; what the job runner calls (the engine, or with the cold tier the engine
     behind its prefix step); and the block hooks whose tier (None without one) the
@@ -83,11 +93,16 @@ def main() -> None:
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     started_at = time.time()
 
+    # Before the engine's step thread starts: a thread takes torch's count when it first
+    # runs an op, and the step thread is where the model runs.
+    torch.set_num_threads(torch_threads(settings))
     model = load_model(settings.model.source, device=settings.model.device, dtype=settings.model.dtype)
     engine, generator, hooks = build_engine(settings, model)
     concurrency = settings.worker_concurrency
     log.info("model loaded", extra={"model": model.name, "device": str(model.device), "dtype": str(model.dtype),
                                     "fingerprint": model.fingerprint,
+                                    # As the thread the model runs on sees it.
+                                    "torch_threads": engine.call_soon(torch.get_num_threads).result(),
                                     "kv_capacity_tokens": engine.stats().capacity_tokens})
 
     client = redis.Redis.from_url(settings.redis.url)
