@@ -509,10 +509,10 @@ class WorkerSettings:
     #: environment sets it, else 1, as torchrun sets for several processes a machine:
     #: a CPU worker shares its cores with its sibling workers (`--scale worker=N`), the
     #: scheduler, Kafka and Redis, and an intra-op pool's threads spin between ops on
-    #: cores those need. On this repository's 2-core CI machine, one thread instead of
-    #: two ran builtin:tiny and builtin:english faster even alone (1.4-1.8x), and in the
-    #: fleet it cut a short job's worker CPU by a third (docs/benchmarks.md); builtin:bench
-    #: alone ran 1.3x faster on two. Raise it for one worker on a machine of its own.
+    #: cores those need. On a 2-core machine one thread instead of two ran builtin:tiny
+    #: and builtin:english faster even alone (1.2-1.8x), and short jobs through the fleet
+    #: 19% faster (docs/benchmarks.md "One torch thread a worker"); builtin:bench alone
+    #: ran 1.3x faster on two. Raise it for one worker on a machine of its own.
     torch_threads: int = knob(0, "WORKER_TORCH_THREADS", int, lo=0)
     #: Seconds before Redis hands an unacknowledged task to another worker. It counts
     #: from *delivery*, not from start: a task that waits in a prefetch buffer longer
