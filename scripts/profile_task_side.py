@@ -5,7 +5,8 @@ and its prefix step, the stream publisher, the job runner, the Celery tasks) on 
 local Redis (`kvfleet infra up`), then hands several-job messages straight to the
 `run_jobs` task function from `--messages-at-once` threads, as Celery's pool threads
 would, with no Celery consumer, Kafka or scheduler around it. It prints the process's
-CPU per job, the engine step thread's share of it, and the rest: the runner, the prefix
+CPU per job, the engine step thread's share of it, the rest, and each thread's
+(torch's native pool threads among them): the runner, the prefix
 step, the Redis round trips, the stream, the logs (issue 16, docs/benchmarks.md "Waiting
 for a core"). Settings come from the environment, so one knob at a time can be
 compared in alternate runs:

@@ -62,7 +62,9 @@ class Fleet:
         self.redis = redis.Redis.from_url(redis_url)
         self.log_dir = log_dir
         self.env = {
-            **os.environ,
+            # Not the test process's OMP_NUM_THREADS (conftest.py): a worker here gives torch
+            # the threads a deployed one does (KVFLEET_WORKER_TORCH_THREADS).
+            **{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
             "KVFLEET_KAFKA_BOOTSTRAP": kafka,
             "KVFLEET_REDIS_URL": redis_url,
@@ -76,7 +78,6 @@ class Fleet:
             "KVFLEET_SCHEDULER_METRICS_PORT": "0",
             "KVFLEET_WORKER_METRICS_PORT": "0",
             "KVFLEET_LOG_LEVEL": "INFO",
-            "OMP_NUM_THREADS": "1",
             **(extra_env or {}),
         }
         self.procs: dict[str, subprocess.Popen] = {}
