@@ -111,6 +111,14 @@ class LineWriter(logging.Handler):
 
 
 def setup(service: str, level: str = "INFO") -> None:
+    # A line carries none of what a record collects by default beyond its message and
+    # extras (JsonFormatter): not its caller's file and line, which cost a walk up the
+    # stack for every record, nor its thread or process. The logging docs' own
+    # "Optimization" switches; about 0.1 ms a line a worker logs per job (issue 16).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     handler = LineWriter(sys.stderr)
     handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()

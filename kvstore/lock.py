@@ -26,9 +26,11 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from typing import Optional
 
 import redis
+from redis.commands.core import Script
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,20 @@ return 0
 """
 
 
+#: client -> its (release, renew) scripts. A Lease is made per job run and per rebuild
+#: lock, and registering a script hashes its text and builds an encoder each time
+#: (about 0.1 ms a job of a worker's CPU, issue 16); the scripts are the same for every
+#: lease of a client. Weak: a client dropped takes its entry with it.
+_SCRIPTS: "weakref.WeakKeyDictionary[redis.Redis, tuple[Script, Script]]" = weakref.WeakKeyDictionary()
+
+
+def _scripts(client: redis.Redis) -> tuple[Script, Script]:
+    scripts = _SCRIPTS.get(client)
+    if scripts is None:  # two threads may both register: the same scripts, either wins
+        scripts = _SCRIPTS[client] = (client.register_script(_RELEASE), client.register_script(_RENEW))
+    return scripts
+
+
 class Lease:
     def __init__(self, client: redis.Redis, key: str, ttl_ms: int, *, token: Optional[str] = None) -> None:
         if ttl_ms <= 0:
@@ -56,9 +72,8 @@ class Lease:
         self.key = key
         self.ttl_ms = ttl_ms
         self.token = token or secrets.token_hex(16)
-        self._release = client.register_script(_RELEASE)
-        self._renew = client.register_script(_RENEW)
-        self._stop = threading.Event()
+        self._release, self._renew = _scripts(client)
+        self._stop: Optional[threading.Event] = None  # made by `keep_alive`, the only one that waits on it
         self._renewer: Optional[threading.Thread] = None
 
     def acquire(self) -> bool:
@@ -77,7 +92,8 @@ class Lease:
         """Stop renewing and delete the key if we still own it; False if we did not.
         With `pipe`, the delete is queued on that pipeline instead (its reply, 1 or 0,
         comes with `execute`)."""
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
         if self._renewer is not None and self._renewer is not threading.current_thread():
             self._renewer.join(timeout=self.ttl_ms / 1000)
         self._renewer = None
@@ -98,16 +114,16 @@ class Lease:
         A third leaves two renewal chances before expiry if Redis is briefly slow.
         """
         interval = self.ttl_ms / 3000
+        stop = self._stop = threading.Event()
 
         def loop() -> None:
-            while not self._stop.wait(interval):
+            while not stop.wait(interval):
                 try:
                     if not self.renew():
                         return  # lost: see the docstring
                 except redis.RedisError:
                     continue  # transient; the next tick retries before the TTL runs out
 
-        self._stop.clear()
         self._renewer = threading.Thread(target=loop, name=f"lease-{self.key}", daemon=True)
         self._renewer.start()
 

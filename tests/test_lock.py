@@ -159,3 +159,14 @@ def test_a_renewer_outlives_an_unexpected_error_and_keeps_renewing(cache_client,
     assert failed and held(a)
     renewer.drop(a)
     assert a.release()
+
+
+def test_the_leases_of_one_client_share_their_scripts_and_still_work_after_redis_forgets_them(cache_client, prefix):
+    # Registered once per client, not per lease (a worker makes two leases a job).
+    first = Lease(cache_client, f"{prefix}:shared:a", 5_000)
+    second = Lease(cache_client, f"{prefix}:shared:b", 5_000)
+    assert first._release is second._release and first._renew is second._renew
+    assert first.acquire() and second.acquire()
+    cache_client.script_flush()  # a restarted Redis: the shared scripts load themselves again
+    assert first.renew() and second.release()
+    assert first.release() and cache_client.exists(f"{prefix}:shared:a", f"{prefix}:shared:b") == 0
