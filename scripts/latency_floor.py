@@ -1,0 +1,90 @@
+"""The idle latency floor of the hops a job crosses, on this machine: a development tool.
+
+A 1-token job's round trip (`overhead_p50_ms` in bench/fleet.py) crosses Kafka once on
+its way in (the API's produce, acks=all; the scheduler's fetch) and Redis several times.
+This times those alone, with the clients the fleet uses (kafka-python, redis-py), one
+call at a time with a pause between, as the idle-fleet measurement sends its jobs, on
+the local infra (`python -m kvfleet.cli infra up`):
+
+    python scripts/latency_floor.py
+
+It prints the median and p90 of: a produce with acks=all until acknowledged; the same
+produce until a consumer polling the topic has it; a Redis PING. The overhead cannot go
+below the Kafka line plus a few Redis round trips and the process wake-ups between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis  # noqa: E402
+from kafka import KafkaConsumer, KafkaProducer  # noqa: E402
+from kafka.admin import KafkaAdminClient, NewTopic  # noqa: E402
+
+from kvfleet.settings import Settings  # noqa: E402
+
+
+def summary(ms: list[float]) -> str:
+    return f"p50 {statistics.median(ms):.2f} ms, p90 {statistics.quantiles(ms, n=10)[-1]:.2f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--pause-ms", type=float, default=20.0, help="between calls: an idle client")
+    args = parser.parse_args()
+    settings = Settings.from_env()
+    bootstrap = settings.kafka.bootstrap
+    topic = f"latency-floor-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="latency-floor")
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    try:
+        producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0)
+        consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=topic, auto_offset_reset="earliest",
+                                 enable_auto_commit=False)
+        while not consumer.assignment():
+            consumer.poll(timeout_ms=100)
+        warm_up = 20
+        total = warm_up + args.samples
+        acked, consumed = [], []
+
+        def consume() -> None:
+            while len(consumed) < total:
+                for records in consumer.poll(timeout_ms=200).values():
+                    consumed.extend(1000 * (time.time() - float(r.value)) for r in records)
+
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
+        for _ in range(total):
+            began = time.time()
+            producer.send(topic, str(began).encode()).get(timeout=10)
+            acked.append(1000 * (time.time() - began))
+            time.sleep(args.pause_ms / 1000)
+        reader.join(timeout=30)
+        client = redis.Redis.from_url(settings.redis.url)
+        pings = []
+        for _ in range(total):
+            began = time.perf_counter()
+            client.ping()
+            pings.append(1000 * (time.perf_counter() - began))
+            time.sleep(args.pause_ms / 1000)
+        print(f"kafka produce, acks=all, until acknowledged:  {summary(acked[warm_up:])}")
+        print(f"kafka produce until a polling consumer has it: {summary(consumed[warm_up:])}")
+        print(f"redis PING (state instance):                   {summary(pings[warm_up:])}")
+        producer.close()
+        consumer.close()
+    finally:
+        admin.delete_topics([topic])
+        admin.close()
+
+
+if __name__ == "__main__":
+    main()
