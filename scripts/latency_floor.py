@@ -2,7 +2,8 @@
 
 A 1-token job's round trip (`overhead_p50_ms` in bench/fleet.py) crosses Kafka once on
 its way in (the API's produce, acks=all; the scheduler's fetch) and Redis several times.
-This times those alone, with the clients the fleet uses (kafka-python, redis-py), one
+This times those alone, with the clients the fleet makes (kvfleet/kafka.py: the API's
+producer, the scheduler's consumer settings; redis-py), one
 call at a time with a pause between, as the idle-fleet measurement sends its jobs, on
 the local infra (`python -m kvfleet.cli infra up`):
 
@@ -16,6 +17,7 @@ below the Kafka line plus a few Redis round trips and the process wake-ups betwe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import threading
@@ -26,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis  # noqa: E402
-from kafka import KafkaConsumer, KafkaProducer  # noqa: E402
-from kafka.admin import KafkaAdminClient, NewTopic  # noqa: E402
+from kafka.admin import NewTopic  # noqa: E402
 
+from kvfleet.kafka import make_admin, make_consumer, make_producer  # noqa: E402
 from kvfleet.settings import Settings  # noqa: E402
 
 
@@ -42,14 +44,14 @@ def main() -> None:
     parser.add_argument("--pause-ms", type=float, default=20.0, help="between calls: an idle client")
     args = parser.parse_args()
     settings = Settings.from_env()
-    bootstrap = settings.kafka.bootstrap
     topic = f"latency-floor-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="latency-floor")
+    kafka = dataclasses.replace(settings.kafka, group=topic)  # a group of its own, not the scheduler's
+    admin = make_admin(kafka, client_id="latency-floor")
     admin.create_topics([NewTopic(topic, 1, 1)])
     try:
-        producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0)
-        consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=topic, auto_offset_reset="earliest",
-                                 enable_auto_commit=False)
+        producer = make_producer(kafka, client_id="latency-floor")
+        consumer = make_consumer(kafka, client_id="latency-floor", max_poll_records=500)
+        consumer.subscribe([topic])
         while not consumer.assignment():
             consumer.poll(timeout_ms=100)
         warm_up = 20
