@@ -17,6 +17,7 @@ from __future__ import annotations
 from celery import Celery
 
 from kvfleet import constants
+from kvfleet.broker import transport_for
 from kvfleet.settings import Settings
 
 
@@ -40,6 +41,8 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
         broker_connection_retry_on_startup=True,
+        # kombu's Redis transport, less a redis-py client built per operation (kvfleet/broker.py).
+        broker_transport=transport_for(settings.redis.url),
         task_default_queue=constants.celery_queue(settings.redis.key_prefix, "normal"),
         broker_transport_options={
             "visibility_timeout": vt,
