@@ -93,7 +93,7 @@ class ApiContext:
                     message = await pubsub.get_message(timeout=min(remaining, 1.0))
                     if message is None:
                         break
-                    if message["type"] == "message" and not _not_terminal(message["data"]):
+                    if message["type"] == "message" and _may_end_the_job(message["data"]):
                         break
                     remaining = deadline - time.monotonic()
         finally:
@@ -116,12 +116,13 @@ async def _close(pubsub: aredis.client.PubSub) -> None:
         log.debug("closing a long poll's pub/sub failed", extra={"error": str(exc)})
 
 
-def _not_terminal(data: object) -> bool:
-    """Whether a job channel's message names a state that does not end the job."""
+def _may_end_the_job(data: object) -> bool:
+    """Whether a job channel's message may have ended the job: a terminal state's name,
+    or anything that is no state's name (read the job, to be safe)."""
     try:
-        return not JobState(data.decode() if isinstance(data, bytes) else data).terminal
+        return JobState(data.decode() if isinstance(data, bytes) else data).terminal
     except (ValueError, AttributeError):
-        return False  # not a state name: read the job
+        return True
 
 
 def context(request: Request) -> ApiContext:
