@@ -50,7 +50,10 @@ def make_producer(kafka: KafkaSettings, *, client_id: str, linger_ms: int = 0) -
     )
 
 
-def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int) -> KafkaConsumer:
+def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int,
+                  fetch_max_wait_ms: int) -> KafkaConsumer:
+    """`fetch_max_wait_ms`: how long the broker may hold a fetch that found nothing
+    (SchedulerSettings.fetch_max_wait_ms says why the scheduler's is short)."""
     return KafkaConsumer(
         **kafka.client_options,
         **RECONNECT,
@@ -60,6 +63,7 @@ def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int
         enable_auto_commit=False,
         auto_offset_reset="earliest",  # a new group must not skip jobs already queued
         max_poll_records=max_poll_records,
+        fetch_max_wait_ms=fetch_max_wait_ms,
         # A poll batch is dispatched in milliseconds; 5 min is the ceiling before the
         # group considers this replica stuck and hands its partitions to another.
         max_poll_interval_ms=300_000,

@@ -264,6 +264,15 @@ class SchedulerSettings:
     #: How long one poll waits for records, ms.
     poll_timeout_ms: int = knob(200, "POLL_TIMEOUT_MS", int, lo=1)
     max_poll_records: int = knob(500, "MAX_POLL_RECORDS", int, lo=1)
+    #: The longest the broker holds the consumer's fetch when the partitions in it have
+    #: nothing new, ms (Kafka's fetch.max.wait.ms, 500 by default). kafka-python keeps one
+    #: fetch in flight per broker, so a partition resumed while a fetch for the others
+    #: waits is read only once that fetch returns: with 500, a class whose buffer drained
+    #: under a backlog sat idle for up to half a second, and a 2,000-job run admitted
+    #: nothing for 1-2.5 s in all (docs/benchmarks.md, "A resumed partition's fetch").
+    #: A fetch with records returns at once whatever this is; a lower value costs only
+    #: idle fetches (10 a second at 100).
+    fetch_max_wait_ms: int = knob(100, "SCHEDULER_FETCH_MAX_WAIT_MS", int, lo=0)
     #: The longest the loop waits while jobs wait for budget, ms. Tokens a finishing job
     #: releases wake it at once (scheduler/wake.py); a new worker's capacity, a Redis
     #: without pub/sub or new Kafka records are noticed within this.

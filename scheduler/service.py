@@ -540,7 +540,8 @@ def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: 
     dispatcher = Dispatcher(JobStore(client, keys), make_celery(settings), settings.redis.key_prefix,
                             lease_s=s.admit_lease_s, replica=replica)
     capacity = FleetCapacity(client, keys, ceiling_tokens=s.capacity_ceiling_tokens or None)
-    consumer = make_consumer(settings.kafka, client_id=client_id, max_poll_records=s.max_poll_records)
+    consumer = make_consumer(settings.kafka, client_id=client_id, max_poll_records=s.max_poll_records,
+                             fetch_max_wait_ms=s.fetch_max_wait_ms)
     admin = make_admin(settings.kafka, client_id=f"{client_id}-results")
     group_admin = make_admin(settings.kafka, client_id=f"{client_id}-health")
 

@@ -50,7 +50,8 @@ def main() -> None:
     admin.create_topics([NewTopic(topic, 1, 1)])
     try:
         producer = make_producer(kafka, client_id="latency-floor")
-        consumer = make_consumer(kafka, client_id="latency-floor", max_poll_records=500)
+        consumer = make_consumer(kafka, client_id="latency-floor", max_poll_records=500,
+                                 fetch_max_wait_ms=settings.scheduler.fetch_max_wait_ms)
         consumer.subscribe([topic])
         while not consumer.assignment():
             consumer.poll(timeout_ms=100)

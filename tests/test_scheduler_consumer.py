@@ -124,7 +124,8 @@ def test_a_partition_a_rebalance_gives_back_to_the_same_member_is_read_again(sch
     # A second member joins the group for the low topic only: the (eager) rebalance
     # revokes every partition of the scheduler, and the range assignor gives the normal
     # partition back to it, the only member subscribed to that topic.
-    other = make_consumer(service.settings.kafka, client_id="second-member", max_poll_records=1)
+    other = make_consumer(service.settings.kafka, client_id="second-member", max_poll_records=1,
+                          fetch_max_wait_ms=service.settings.scheduler.fetch_max_wait_ms)
     other.subscribe([service.settings.kafka.topics[2]])
     stop = threading.Event()
 
@@ -178,3 +179,15 @@ def test_a_paused_partition_whose_fetched_records_were_parked_is_read_again_when
     service.commit(force=True)
     assert_admitted_once(service, {Priority.LOW: jobs, Priority.NORMAL: normal})
     assert committed(service, low) == 40
+
+
+def test_the_consumer_fetches_with_the_scheduler_s_wait_not_kafka_python_s(scheduler):
+    # kafka-python keeps one fetch in flight per broker: a partition resumed while a
+    # fetch for the other (empty) partitions waits on the broker is read only when that
+    # fetch returns, after up to fetch.max.wait.ms. At kafka-python's 500 ms a class that
+    # drained under a backlog left the fleet idle that long (docs/benchmarks.md, "A
+    # resumed partition's fetch"); the scheduler's own setting bounds it.
+    service = scheduler()
+    assert service.settings.scheduler.fetch_max_wait_ms == 100
+    assert service.consumer.config["fetch_max_wait_ms"] == 100
+    assert service.consumer._fetcher.config["fetch_max_wait_ms"] == 100  # what each fetch request carries

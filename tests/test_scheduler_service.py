@@ -282,7 +282,8 @@ def test_a_rebalance_that_a_short_poll_interrupts_still_ends_in_an_assignment(ka
         kafka = KafkaSettings(bootstrap=kafka_bootstrap, topic_prefix=f"{prefix}{attempt}.requests",
                               group=f"{prefix}{attempt}-scheduler", partitions=2)
         ensure_topics(kafka)
-        consumer = make_consumer(kafka, client_id="rebalance-test", max_poll_records=10)
+        consumer = make_consumer(kafka, client_id="rebalance-test", max_poll_records=10,
+                                 fetch_max_wait_ms=Settings().scheduler.fetch_max_wait_ms)
         try:
             service = _service(Settings().replace(kafka=kafka), consumer)
             service.wait_for_topics()
