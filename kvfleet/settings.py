@@ -269,7 +269,7 @@ class SchedulerSettings:
     #: fetch in flight per broker, so a partition resumed while a fetch for the others
     #: waits is read only once that fetch returns: with 500, a class whose buffer drained
     #: under a backlog sat idle for up to half a second, and a 2,000-job run admitted
-    #: nothing for 1-2.5 s in all (docs/benchmarks.md, "A resumed partition's fetch").
+    #: nothing for 0.3-2.5 s in all (docs/benchmarks.md, "A resumed partition's fetch").
     #: A fetch with records returns at once whatever this is; a lower value costs only
     #: idle fetches (10 a second at 100).
     fetch_max_wait_ms: int = knob(100, "SCHEDULER_FETCH_MAX_WAIT_MS", int, lo=0)
