@@ -466,6 +466,11 @@ def print_job_path(jobs: dict) -> None:
             f = r["fleet"]
             print(f"  jobs holding a reservation (slots taken): p50 {f['ledger_jobs_p50']}, p90 {f['ledger_jobs_p90']}, "
                   f"max {f['ledger_jobs_max']}")
+        if "jobs_by_worker" in r["fleet"]:
+            f = r["fleet"]
+            print(f"  jobs by worker {f['jobs_by_worker']}, each worker's last finish "
+                  f"{', '.join(f'{s:.2f}' for s in f['last_finished_s_by_worker'])} s; first job admitted "
+                  f"{1000 * f['first_admitted_s']:.1f} ms and started {1000 * f['first_started_s']:.1f} ms after the first send")
     o = jobs["overhead"]
     print(f"\none 1-token job on the idle fleet (median ms of {o['jobs']}); overhead p50 "
           f"{o['overhead_p50_ms']:.1f} ms (target <= 10), p90 {o['overhead_p90_ms']:.1f} ms")

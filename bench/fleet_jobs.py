@@ -265,6 +265,20 @@ class LedgerSampler:
                 "ledger_jobs_max": busy[-1]}
 
 
+def run_spread(done: Sequence[JobResult], sent_at: float) -> dict:
+    """How the run began and ended: seconds from the first send (`sent_at`) to the first job
+    admitted and started, and each worker's jobs and last finish (a worker that ends
+    well before the others had fewer of the jobs: its core idled while they finished)."""
+    by_worker: dict[str, list[JobResult]] = {}
+    for r in done:
+        by_worker.setdefault(r.worker or "?", []).append(r)
+    ends = sorted(max(r.timings.finished_at for r in rs) - sent_at for rs in by_worker.values())
+    return {"first_admitted_s": min(r.timings.admitted_at for r in done) - sent_at,
+            "first_started_s": min(r.timings.started_at for r in done) - sent_at,
+            "jobs_by_worker": sorted(len(rs) for rs in by_worker.values()),
+            "last_finished_s_by_worker": ends}
+
+
 def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, model: str,
                   jobs: Sequence[list[int]], max_new_tokens: int, *, label: str,
                   pids: dict[str, int] | None = None, log_dir: Path | None = None,
@@ -285,7 +299,10 @@ def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, m
                                max_new_tokens=max_new_tokens, submitted_at=now, prompt_tokens=p, sampling=GREEDY)
                     for p in jobs]
         payloads = [(r.job_id, encode(r)) for r in requests]
-        start = time.perf_counter()
+        # A client's producer is connected and knows the topic before it sends: without
+        # this the clock would count the new producer's first metadata fetch (~100 ms).
+        producer.partitions_for(topic)
+        start, started_at = time.perf_counter(), time.time()
         for job_id, value in payloads:
             producer.send(topic, key=tenant.encode(), value=value)
         producer.flush(timeout=60)
@@ -306,13 +323,14 @@ def through_fleet(bootstrap: str, topic: str, results_topic: str, tenant: str, m
     hops = {name: 1000 * statistics.median(getattr(r.timings, b) - getattr(r.timings, a) for r in done)
             for name, a, b in LOAD_HOPS} if done else {}
     every_hop, every_hop_mean = {}, {}
+    spread = run_spread(done, started_at) if done else {}
     if log_dir is not None and done:
         time.sleep(1.0)  # the workers log a job's "done" line just after the result it waits on
         per_job = moments(log_dir, {r.job_id: r for r in done}, results.arrived)
         every_hop, every_hop_mean = hop_medians(per_job), hop_medians(per_job, statistics.fmean)
     return {"jobs": len(requests), "done": len(done), "tokens": tokens, "wall_s": wall, "produce_s": produced,
             "hops_median_ms": hops, "every_hop_median_ms": every_hop, "every_hop_mean_ms": every_hop_mean,
-            **engine, **held,
+            **engine, **held, **spread,
             "jobs_per_s": len(requests) / wall, "tokens_per_s": tokens / wall,
             "runs_beyond_one": sum(max(0, a - 1) for a in attempts),
             "cpu_ms_per_job": {name: 1000 * (cpu_after[name] - cpu_before[name]) / len(requests)

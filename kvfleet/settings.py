@@ -513,6 +513,7 @@ class WorkerSettings:
     #: Celery task threads feeding the engine. 0 = three of the engine's batches
     #: (max_num_seqs) plus the policy's high_slot_reserve of the threads
     #: (`Settings.worker_concurrency`): one batch runs while the next are on their way.
+    #: Also the jobs a worker holds at once, however they are packed (workers/gate.py).
     concurrency: int = knob(0, "WORKER_CONCURRENCY", int, lo=0)
     #: torch's intra-op threads in the worker process. 0 = `OMP_NUM_THREADS` if the
     #: environment sets it, else 1, as torchrun sets for several processes a machine:

@@ -31,11 +31,11 @@ LONG = ("a long job 3", 3000)
 QUICK = ("quick", 1)
 
 
-def send_one_message(fleet: Fleet, jobs: list[tuple[str, int]]) -> list[str]:
+def send_one_message(fleet: Fleet, jobs: list[tuple[str, int]], priority: Priority = Priority.NORMAL) -> list[str]:
     """The jobs (prompt, max new tokens) recorded, admitted and sent as one Celery
     message, as the scheduler does it; their ids, in the message's order."""
     store = JobStore(fleet.redis, fleet.keys)
-    requests = [JobRequest(job_id=f"m{i}-{time.monotonic_ns()}", tenant="acme", priority=Priority.NORMAL,
+    requests = [JobRequest(job_id=f"m{i}-{time.monotonic_ns()}", tenant="acme", priority=priority,
                            model="builtin:bench", prompt=prompt, max_new_tokens=n, submitted_at=time.time(),
                            sampling=Sampling(temperature=0.0))
                 for i, (prompt, n) in enumerate(jobs)]
@@ -80,6 +80,24 @@ def test_a_message_of_several_jobs_runs_each_once_side_by_side(make_fleet):
         return queue not in unacked and fleet.redis.llen(queue) == 0
 
     fleet.wait_for(acknowledged, "the message acknowledged")
+
+
+def test_a_worker_takes_only_its_share_of_jobs_and_high_ones_still_get_in(make_fleet):
+    # Four slots, one of them high's (workers/gate.py): three normal jobs fill the shared
+    # ones, so a fourth stays in the broker's queue (for any worker with room), while a
+    # high job sent after it is read and runs. Celery alone, counting messages, would
+    # take the fourth job as well: it has threads free.
+    fleet = make_fleet(workers=1, model="builtin:bench",
+                       extra_env={**NO_REDELIVERY, "KVFLEET_WORKER_CONCURRENCY": "4", "KVFLEET_HIGH_SLOT_RESERVE": "0.25"})
+    first = send_one_message(fleet, [LONG] * 3)
+    fleet.wait_for(lambda: all(fleet.state(j) == "running" for j in first), "the three long jobs running")
+    waiting = send_one_message(fleet, [LONG])
+    high = send_one_message(fleet, [QUICK], priority=Priority.HIGH)
+    fleet.wait_for(lambda: fleet.state(high[0]) == "done", "the high job done while the shared slots are full")
+    assert fleet.redis.llen(celery_queue(fleet.prefix, Priority.NORMAL)) == 1
+    assert all(fleet.state(j) == "running" for j in first) and fleet.state(waiting[0]) == "admitted"
+    all_done(fleet, first + waiting)  # read once a slot frees
+    assert all(fleet.field(j, "attempts") == "1" for j in first + waiting)
 
 
 def test_a_worker_killed_mid_message_loses_nothing_and_reruns_only_the_unfinished(make_fleet):

@@ -38,6 +38,7 @@ from kvstore.coldtier import ColdTier, connect
 from kvstore.hooks import ColdTierHooks
 from workers.drain import Drain
 from workers.engine import Engine
+from workers.gate import JobGate
 from workers.health import EngineHealth
 from workers.heartbeat import Heartbeat
 from workers.model.loader import LoadedModel, load_model
@@ -153,7 +154,9 @@ def main() -> None:
         start_http_server(settings.worker.metrics_port)
 
     app = make_celery(settings)
-    register(app, runner, threads=settings.engine.max_num_seqs)
+    gate = JobGate(concurrency, settings.policy.high_slot_reserve, settings.redis.key_prefix)
+    gate.install(app)
+    register(app, runner, threads=settings.engine.max_num_seqs, gate=gate)
     queues = ",".join(constants.all_celery_queues(settings.redis.key_prefix))
     log.info("worker starting", extra={"worker_id": worker_id, "queues": queues,
                                        "concurrency": concurrency})

@@ -9,6 +9,9 @@ around `JobRunner.run`; the runner (built once per process by
 `workers.service`) owns the engine, the job store and the lease logic, and makes every
 job of a message exactly-once on its own.
 
+Every job counts in the worker's job gate (workers/gate.py) from the moment its task
+starts until it ends: the gate decides which queues the worker's consumer reads next.
+
 A message is acknowledged once every job in it has ended (acks_late). If any of them is
 handed back (the worker drains, or an engine fault ended its run), the whole message is
 rejected with requeue once the others have ended: on its redelivery the jobs that
@@ -19,6 +22,7 @@ redelivery finds each job finished (a no-op), running elsewhere, or free to take
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -29,14 +33,17 @@ from prometheus_client import Counter
 
 from kvfleet import constants
 from workers.drain import HandBack
+from workers.gate import JobGate
 from workers.runner import Claim, FaultedRun, JobRunner
 
 TASKS = Counter("kvfleet_worker_tasks", "Jobs delivered in Celery tasks, by outcome", ["outcome"])
 
 
-def register(app: Celery, runner: JobRunner, *, threads: int) -> None:
+def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[JobGate] = None) -> None:
     """Both task names on `app`; `threads` bounds the jobs of several-job messages that
-    run at once beyond each message's first (the engine's batch is a good size)."""
+    run at once beyond each message's first (the engine's batch is a good size);
+    `gate` (workers/gate.py) counts the jobs of every task while it runs."""
+    gate = gate or JobGate(slots=sys.maxsize, high_slot_reserve=0.0, key_prefix="")  # counts, never closes
     # Threads start as jobs need them, and a thread per job would cost a start each.
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="job")
 
@@ -51,6 +58,7 @@ def register(app: Celery, runner: JobRunner, *, threads: int) -> None:
 
     @app.task(name=constants.CELERY_TASK_NAME, acks_late=True, ignore_result=True)
     def run_job(raw: dict) -> str:
+        held = gate.hold([raw])
         try:
             return run_one(raw, time.time())
         except HandBack as exc:
@@ -58,11 +66,20 @@ def register(app: Celery, runner: JobRunner, *, threads: int) -> None:
             # broker puts the message back on its queue now, for another worker (or
             # another run here), instead of after the visibility timeout.
             raise Reject(str(exc), requeue=True) from None
+        finally:
+            gate.release(held)
 
     @app.task(name=constants.CELERY_JOBS_TASK_NAME, acks_late=True, ignore_result=True)
     def run_jobs(raws: list[dict]) -> list[str]:
         if not raws:
             return []
+        held = gate.hold(raws)
+        try:
+            return run_all(raws)
+        finally:
+            gate.release(held)
+
+    def run_all(raws: list[dict]) -> list[str]:
         delivered_at = time.time()
         claims = runner.begin_all(raws)  # one round trip for every job's `begin`
         others: list[Future[str]] = []
