@@ -276,19 +276,27 @@ class JobStore:
         nobody took over does not throw the result away), and the lease is released
         with the write if that token holds it; with `only_from`,
         only a job in one of those states (a subset of what the state machine allows)."""
+        ok, previous = self._finishes.run(*self._finish_call(result, lease_token, only_from))
+        return Transition(ok=bool(ok), previous=previous.decode() or None)
+
+    def finish_many(self, results: Sequence[tuple[JobResult, str]]) -> list[Transition]:
+        """`finish(result, lease_token=token)` for each pair, in one round trip; each
+        stays atomic on its own. A connection error raises, as `finish` would; a
+        script error raises too, after every other write was tried."""
+        replies = _raising(self._finishes.run_all([self._finish_call(r, token, None) for r, token in results]))
+        return [Transition(ok=bool(ok), previous=previous.decode() or None) for ok, previous in replies]
+
+    def _finish_call(self, result: JobResult, lease_token: str, only_from: Optional[frozenset[JobState]]):
         assert result.status.terminal, result.status
         job_id = result.job_id
         sources = _sources(result.status)
         if only_from is not None:
             sources = ",".join(s for s in sources.split(",") if JobState(s) in only_from)
-        ok, previous = self._finishes.run(
-            self._finish,
-            [*self._ledger_keys, self.keys.job(job_id), self.keys.job_events(job_id),
-             self.keys.run_lease(job_id), self.keys.results_outbox, self.keys.ledger_freed],
-            [result.status.value, encode(result), repr(result.timings.finished_at or 0.0),
-             constants.RESULT_TTL_S, sources, job_id, lease_token, constants.RESULTS_OUTBOX_TTL_S],
-        )
-        return Transition(ok=bool(ok), previous=previous.decode() or None)
+        return (self._finish,
+                [*self._ledger_keys, self.keys.job(job_id), self.keys.job_events(job_id),
+                 self.keys.run_lease(job_id), self.keys.results_outbox, self.keys.ledger_freed],
+                [result.status.value, encode(result), repr(result.timings.finished_at or 0.0),
+                 constants.RESULT_TTL_S, sources, job_id, lease_token, constants.RESULTS_OUTBOX_TTL_S])
 
     def fail(self, job_id: str, status: JobState, code: str, message: str, *, now: float,
              lease_token: str = "", only_from: Optional[frozenset[JobState]] = None) -> Transition:
@@ -329,14 +337,11 @@ class JobStore:
         (each atomic on its own; the jobs have nothing in common to keep together)."""
         if not jobs:
             return []
-        with self.client.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                call = self._begin_call(job, lease_ms=lease_ms, now=now, worker=worker,
-                                        reservation_lease_s=reservation_lease_s)
-                # EVAL with the script's text, not the registered script: a pipeline that
-                # holds one first asks Redis whether it is loaded, a round trip of its own.
-                pipe.eval(_BEGIN, len(call["keys"]), *call["keys"], *call["args"])
-            replies = pipe.execute()
+        calls = [self._begin_call(job, lease_ms=lease_ms, now=now, worker=worker,
+                                  reservation_lease_s=reservation_lease_s) for job in jobs]
+        # EVALSHA through the batch, not EVAL with the script's text (kilobytes a job for
+        # Redis to hash and parse); ScriptBatch loads the script where Redis lost it.
+        replies = _raising(self._finishes.run_all([(self._begin, c["keys"], c["args"]) for c in calls]))
         return [self._begun(raw, now) for raw in replies]
 
     def _begin_call(self, job: "BeginArgs", *, lease_ms: int, now: float, worker: str,
@@ -398,3 +403,12 @@ class JobStore:
     def field(self, job_id: str, name: str) -> Optional[str]:
         raw = self.client.hget(self.keys.job(job_id), name)
         return raw.decode() if raw else None
+
+
+def _raising(replies: list[Any]) -> list[Any]:
+    """ScriptBatch.run_all's replies, or the first error among them raised (after every
+    call was tried, as a pipeline's `execute` raises)."""
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            raise reply
+    return replies

@@ -76,6 +76,30 @@ class ScriptBatch:
             raise call.error
         return call.reply
 
+    def run_all(self, calls: Sequence[tuple[Script, Sequence[Any], Sequence[Any]]]) -> list[Any]:
+        """Several calls of one caller, queued together (so they share a pipeline, with
+        each other and with other threads' calls): each call's reply, or its own error
+        as the value in its place (a caller of several settles each on its own)."""
+        mine = [_Call(script, keys, args) for script, keys, args in calls]
+        if not mine:
+            return []
+        with self._lock:
+            self._queued.extend(mine)
+            lead = not self._sending
+            self._sending = True
+        if lead:
+            self._send()
+        for call in mine:
+            call.ready.wait()
+            if call.lead:
+                # Woken to send the next pipeline (ours is the oldest call queued): the
+                # pipeline's end sets `ready` again, with the reply.
+                call.lead = False
+                call.ready.clear()
+                self._send()
+                call.ready.wait()
+        return [call.error if call.error is not None else call.reply for call in mine]
+
     def _send(self) -> None:
         """Send the queue's oldest calls (the leader's among them: it is the oldest), then
         make the next caller in the queue the leader, or stop sending."""

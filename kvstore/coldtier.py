@@ -37,6 +37,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Optional, Sequence, Union
 
@@ -55,7 +56,7 @@ from kvstore.buffers import BufferPool
 from kvstore.errors import BlobError
 from kvstore.expiry import DEFAULT_JITTER, jittered, physical_ttl_ms, xfetch_due
 from kvstore.lock import Lease
-from kvstore.singleflight import NO_VALUE, Entry, NoValueType, SingleFlight
+from kvstore.singleflight import NO_VALUE, Entry, Held, NoValueType, SingleFlight
 from kvstore.spill import SpillQueue
 from kvstore.wire import Wire
 
@@ -110,6 +111,14 @@ SpillItem = Union[tuple[str, bytearray], _Loan]
 class PrefixSource(str, Enum):
     COLD = "cold"  # in the cold tier (stored before, or by another worker): load() it
     BUILT = "built"  # this caller ran prefill()
+
+
+@dataclass(frozen=True)
+class PrefixBuild:
+    """A prefix this caller builds, claimed by `ColdTier.claim_prefixes`."""
+
+    held: Held
+    marker: str  # hash_id of its first missing block: the key write() holds back
 
 
 def connect(url: str, *, timeout_s: float = 1.0) -> redis.Redis:
@@ -543,6 +552,16 @@ class ColdTier:
             return 0
         return int(self._lookups.run(self._present_run, [self.key(h) for h in block_hashes]))
 
+    def present_runs(self, runs: Sequence[Sequence[BlockHash]]) -> list[int]:
+        """`present_run` of each, in one round trip for all; raises the first error."""
+        replies = self._lookups.run_all([(self._present_run, [self.key(h) for h in hashes], [])
+                                         for hashes in runs if hashes])
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        counts = iter(replies)
+        return [int(next(counts)) if hashes else 0 for hashes in runs]
+
     @property
     def blob_nbytes(self) -> int:
         """Bytes of one stored block (header included), as this worker writes them."""
@@ -618,6 +637,56 @@ class ColdTier:
         lock_key = self._prefix_lock(block_hashes, first_missing)
         return int(dict(self._lock_client.pubsub_numsub(lock_key)).get(lock_key.encode(), 0))
 
+    def claim_prefixes(self, prefixes: Sequence[tuple[Sequence[BlockHash], int]]) -> list[Optional["PrefixBuild"]]:
+        """`ensure_prefix(hashes, ..., first_missing=i, known_missing=True, store=...)` for
+        several prefixes at once, for callers that compute them without blocking (a
+        message's jobs, each its own prefill): the claims are one round trip. A
+        `PrefixBuild` where this caller builds (BUILT): compute the blocks, then end it
+        with `finish_prefixes`; None where the caller goes through `ensure_prefix`
+        instead (another builds it, or a look again is due: see SingleFlight.claim_many)."""
+        markers = [hash_id(hashes[first]) for hashes, first in prefixes]
+        held = self.flight.claim_many([self._prefix_lock(hashes, first) for hashes, first in prefixes])
+        builds: list[Optional[PrefixBuild]] = []
+        for marker, h in zip(markers, held):
+            if h is not None:
+                self._build_begin(marker)
+            builds.append(None if h is None else PrefixBuild(h, marker))
+        return builds
+
+    def finish_prefixes(self, builds: Sequence[tuple["PrefixBuild", Callable[[], None]]]) -> None:
+        """The blocks of these `claim_prefixes` builds are computed: each is written by its
+        `store()` only if somebody waits for it, and every lock is released (one round
+        trip for the count and the releases of all that nobody waits for)."""
+        items = []
+        for build, store in builds:
+            wrote = [self._build_end(build.marker)]
+
+            def store_if_waited(build: PrefixBuild = build, store: Callable[[], None] = store,
+                                wrote: list[bool] = wrote) -> None:
+                self._build_begin(build.marker)
+                try:
+                    store()
+                finally:
+                    wrote.append(self._build_end(build.marker))
+
+            items.append((build.held, store_if_waited, lambda wrote=wrote: any(wrote)))
+        self.flight.finish_held(items)
+
+    def _build_begin(self, marker: str) -> None:
+        """A build of the prefix ending in `marker` runs: write() holds the marker back."""
+        with self._building_lock:
+            self._building[marker] = self._building.get(marker, 0) + 1
+
+    def _build_end(self, marker: str) -> bool:
+        """That build is over; whether write() wrote the marker while it ran."""
+        with self._building_lock:
+            wrote = marker in self._written
+            self._building[marker] -= 1
+            if not self._building[marker]:
+                del self._building[marker]
+                self._written.discard(marker)
+        return wrote
+
     def ensure_prefix(self, block_hashes: Sequence[BlockHash], prefill: Callable[[], None], *,
                       first_missing: int = 0, known_missing: bool = False,
                       store: Optional[Callable[[], None]] = None) -> PrefixSource:
@@ -654,17 +723,11 @@ class ColdTier:
 
         def building(step: Callable[[], None]) -> None:
             # While `step` runs, write() holds this prefix's marker back and notes it wrote it.
-            with self._building_lock:
-                self._building[marker] = self._building.get(marker, 0) + 1
+            self._build_begin(marker)
             try:
                 step()
             finally:
-                with self._building_lock:
-                    wrote.append(marker in self._written)
-                    self._building[marker] -= 1
-                    if not self._building[marker]:
-                        del self._building[marker]
-                        self._written.discard(marker)
+                wrote.append(self._build_end(marker))
 
         def build() -> PrefixSource:
             building(prefill)

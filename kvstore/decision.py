@@ -49,7 +49,11 @@ class FetchDecision:
         return None if not rate or rate <= 0 else blocks * self.block_tokens / rate
 
     def should_load(self, blocks: int) -> bool:
-        recompute = self.recompute_seconds(blocks)
-        load = recompute is None or self.load_seconds(blocks) <= recompute
+        load = self.prefers_load(blocks)
         metrics.KV_DECISIONS.labels("load" if load else "recompute").inc()
         return load
+
+    def prefers_load(self, blocks: int) -> bool:
+        """`should_load`'s answer, uncounted (a caller that counts the decision later)."""
+        recompute = self.recompute_seconds(blocks)
+        return recompute is None or self.load_seconds(blocks) <= recompute

@@ -1,4 +1,4 @@
-"""A Redis lease: `SET NX PX` with a random owner token, renewed while held, released
+"""A Redis lease: `SET NX PX` with a unique owner token, renewed while held, released
 only by its owner. It knows nothing about what it guards.
 
 Used for the run lease of a job (one worker executes a job at a time) and for the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import secrets
 import threading
 import time
@@ -64,6 +65,28 @@ def _scripts(client: redis.Redis) -> tuple[Script, Script]:
     return scripts
 
 
+class _Tokens:
+    """Owner tokens: a random 128-bit prefix per process and a count. Unique across
+    processes and hosts (the prefix) and within one (the count), as a random token per
+    lease is, without the system call for fresh randomness that each of those cost (a
+    lease per job run, and another per prefix build: issue 16). A forked child draws a
+    prefix of its own."""
+
+    def __init__(self) -> None:
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self._prefix = secrets.token_hex(16)
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}-{next(self._count):x}"  # itertools.count: atomic under the GIL
+
+
+_TOKENS = _Tokens()
+
+
 class Lease:
     def __init__(self, client: redis.Redis, key: str, ttl_ms: int, *, token: Optional[str] = None) -> None:
         if ttl_ms <= 0:
@@ -71,7 +94,7 @@ class Lease:
         self.client = client
         self.key = key
         self.ttl_ms = ttl_ms
-        self.token = token or secrets.token_hex(16)
+        self.token = token or _TOKENS.next()
         self._release, self._renew = _scripts(client)
         self._stop: Optional[threading.Event] = None  # made by `keep_alive`, the only one that waits on it
         self._renewer: Optional[threading.Thread] = None

@@ -93,6 +93,15 @@ class Entry(Generic[T]):
 
 Lookup = Callable[[], Union[Entry[T], NoValueType]]
 
+
+@dataclass(frozen=True)
+class Held:
+    """A missing value's lock taken by `claim_many`, for a build computed elsewhere
+    (the cold tier's prefix: the job itself, in the engine); `finish_held` ends it."""
+
+    lease: Lease
+    started: float  # perf_counter() at the claim
+
 # Take the lock (SET NX PX, as Lease.acquire) and say in the same round trip whether a
 # build under it stored a value lately (its holder left KEYS[2] on release): 0 held by
 # another, 1 taken and no build stored anything within the record's life, 2 taken after one.
@@ -188,6 +197,66 @@ class SingleFlight:
             metrics.HITS.labels(self.name, "fresh").inc()
             return entry.value
         return self._refresh_or_serve(lock_key, entry, lookup, build, early=early)
+
+    # --- several missing values at once, built elsewhere -------------------------
+    def claim_many(self, lock_keys: list[str]) -> list[Optional[Held]]:
+        """Take the locks of several missing values in one round trip, for builds that
+        a caller drives without blocking (a message's jobs, whose prefill is each job
+        itself): a `Held` for each lock taken, whose build the caller computes and then
+        ends with `finish_held`, as `run(missing=True, store_if_waited=...)` would for
+        one blocking caller. None where that caller should call `run` instead: the lock
+        is another's (`run` waits for it), a build under it stored a value lately and a
+        look again is due (released again here; `run` claims anew and looks), or the
+        claim failed (`run` meets the error itself)."""
+        if not self.use_lock or not lock_keys:
+            return [None] * len(lock_keys)
+        leases = [Lease(self.client, key, self.lock_ttl_ms) for key in lock_keys]
+        replies = self._batch.run_all([(self._claim, [lease.key, self._stored_key(lease.key)],
+                                        [lease.token, self.lock_ttl_ms]) for lease in leases])
+        held: list[Optional[Held]] = []
+        for lease, claimed in zip(leases, replies):
+            if isinstance(claimed, BaseException) or not claimed:
+                held.append(None)
+                continue
+            if claimed == 2 or self.recheck == "always":
+                self._release(lease)
+                held.append(None)
+                continue
+            metrics.MISSES.labels(self.name).inc()
+            self.renewer.hold(lease)  # as `_build_holding`: renewed while the build runs
+            held.append(Held(lease, time.perf_counter()))
+        return held
+
+    def finish_held(self, builds: list[tuple[Held, Callable[[], None], Callable[[], bool]]]) -> None:
+        """End builds of `claim_many` whose values are computed, each given with its
+        `store_if_waited` and `stored` (as `run` takes them): counting who waits and,
+        where nobody does, releasing are one round trip for all of them; each build
+        somebody waits for is stored, then released and announced. A Redis error on
+        one build is logged: its lock is released if it can be, else it expires."""
+        if not builds:
+            return
+        replies = self._batch.run_all([(self._release_unless_waited, [held.lease.key], [held.lease.token])
+                                       for held, _, _ in builds])
+        for (held, store_if_waited, stored), waiting in zip(builds, replies):
+            metrics.BUILDS.labels(self.name).inc()
+            metrics.BUILD_SECONDS.labels(self.name).observe(time.perf_counter() - held.started)
+            released = not isinstance(waiting, BaseException) and int(waiting) <= 0
+            stored_one = False
+            try:
+                if not released and not isinstance(waiting, BaseException):
+                    store_if_waited()
+                    stored_one = stored()
+            except Exception:  # noqa: BLE001 - the waiters find no value and build it themselves
+                log.warning("could not store a build somebody waited for", extra={"lock": held.lease.key},
+                            exc_info=True)
+            finally:
+                self.renewer.drop(held.lease)
+                if not released:
+                    try:
+                        self._release(held.lease, stored=stored_one)
+                    except redis.RedisError as exc:  # it expires within one lock TTL
+                        log.warning("could not release a build's lock", extra={"lock": held.lease.key,
+                                                                                "error": str(exc)})
 
     # --- an entry exists: one caller refreshes it, the others serve it ------------
     def _refresh_or_serve(self, lock_key: str, entry: Entry[T], lookup: Lookup[T], build: Callable[[], T], *, early: bool) -> T:

@@ -236,6 +236,24 @@ def test_begin_many_is_begin_for_each_job_in_one_round_trip(store, redis_client)
     assert store.begin_many([], lease_ms=5000, now=2.0, worker="w2", reservation_lease_s=5.0) == []
 
 
+def test_finish_many_is_finish_for_each_result_in_one_round_trip(store, redis_client):
+    from kvfleet.jobstore import BeginArgs
+
+    mine, lost, again = _job("mine"), _job("lost"), _job("again")
+    for job in (mine, lost, again):
+        store.create(job)
+    store.begin_many([BeginArgs(j.job_id, f"token-{j.job_id}") for j in (mine, lost, again)],
+                     lease_ms=5000, now=2.0, worker="w", reservation_lease_s=5.0)
+    redis_client.set(store.keys.run_lease("lost"), "another copy's")  # it took the job over
+    assert store.finish(_done(again)).ok  # terminal already: a second result is refused
+    written = store.finish_many([(_done(j), f"token-{j.job_id}") for j in (mine, lost, again)])
+    assert [w.ok for w in written] == [True, False, False]
+    assert [w.previous for w in written] == ["running", "lease_lost", "done"]
+    assert store.state("mine") is JobState.DONE and store.state("lost") is JobState.RUNNING
+    assert not redis_client.exists(store.keys.run_lease("mine"))  # released with the result
+    assert store.finish_many([]) == []
+
+
 class _ScriptedPubSub:
     """A pub/sub whose `get_message` returns the next scripted message (None: nothing
     arrived within the timeout), then None for ever."""

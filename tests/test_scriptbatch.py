@@ -131,3 +131,33 @@ def test_a_script_redis_lost_is_loaded_again_alone_or_in_a_pipeline(gated):
         client.script_flush()  # the pipeline's EVALSHA finds nothing
         client.gate.set()
         assert first.result(10) == [b"a", b"0"] and [f.result(10) for f in rest] == [[b"b", b"1"], [b"b", b"2"]]
+
+
+def test_one_callers_several_calls_share_a_pipeline_and_each_error_stays_in_its_place(gated):
+    client = gated
+    client.gate.set()
+    batch = ScriptBatch(client)
+    script = client.register_script(FAILS_ON_BAD)
+    replies = batch.run_all([(script, [key], []) for key in ("a", "bad", "b")])
+    assert replies[0] == b"a" and replies[2] == b"b"
+    assert isinstance(replies[1], redis.ResponseError) and "bad key" in str(replies[1])
+    assert (batch.pipelines, batch.calls) == (1, 3)
+    assert batch.run_all([]) == [] and batch.pipelines == 1
+
+
+def test_several_calls_queued_behind_another_callers_pipeline_lead_the_next_ones(gated):
+    # Queued behind a pipeline on the wire, one caller's calls (more than one pipeline
+    # holds) go out in the pipelines after it: the caller is woken to lead each.
+    client = gated
+    batch = ScriptBatch(client, max_batch=4)
+    echo = client.register_script(ECHO)
+    with ThreadPoolExecutor(2) as pool:
+        sent = batch.pipelines
+        first = pool.submit(batch.run, echo, ["k"], ["first"])
+        _wait_for(lambda: batch.pipelines == sent + 1)
+        several = pool.submit(batch.run_all, [(echo, ["k"], [str(i)]) for i in range(10)])
+        _wait_for(lambda: _queued(batch) == 10)
+        client.gate.set()
+        assert first.result(10) == [b"k", b"first"]
+        assert several.result(10) == [[b"k", str(i).encode()] for i in range(10)]
+    assert (batch.pipelines, batch.calls) == (1 + 3, 11) and not batch._sending  # 4 + 4 + 2

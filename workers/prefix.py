@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from kvfleet.contracts import Sampling
-from kvstore.coldtier import ColdTier, PrefixSource
+from kvstore import metrics as kv_metrics
+from kvstore.coldtier import ColdTier, PrefixBuild, PrefixSource
 from kvstore.decision import FetchDecision
 from workers.engine import Engine, RequestHandle
 
@@ -64,6 +65,39 @@ class Prepared:
     source: Optional[PrefixSource] = None  # the single flight ran: built here, or found cold
     held: list[int] = field(default_factory=list)  # pool blocks loaded for it, held until admitted
     decision: Optional[str] = None  # "load" | "recompute", when part of the prefix was cold
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the prefix step must do for one job (`PrefixSharing.plan_many`)."""
+
+    kind: str  # "none": submit it as it is | "build": its prefix's single flight | "load": cold blocks to fetch
+    hashes: list[str]
+    hot: int  # blocks from the first that this worker holds
+    covered: int  # ... that this worker or the cold tier holds
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of `PrefixSharingEngine.start_many`: `Engine.submit`'s arguments."""
+
+    request_id: str
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: Sampling
+    priority_rank: int = 1
+    stop: tuple[str, ...] = ()
+    on_token: Optional[Callable[[int], None]] = None
+    cache_salt: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Running:
+    """A request `start_many` submitted; `build`: its prefix's flight, which this worker
+    holds until the prompt is computed (then `end_builds`)."""
+
+    handle: RequestHandle
+    build: Optional[tuple[PrefixBuild, Callable[[], None]]] = None  # the flight and how to store its blocks
 
 
 class PrefixSharing:
@@ -108,8 +142,9 @@ class PrefixSharing:
             # the job as the prefill, its blocks are stored only if somebody waits for them.
             store = None if submit is None else lambda: self._store(hashes, (hot, covered))
             source = self.tier.ensure_prefix(hashes, build, first_missing=covered, known_missing=True, store=store)
-            log.info("shared prefix", extra={"job_id": job_id, "blocks": len(hashes) - covered,
-                                             "source": source.value})
+            # Built here is nearly every unique prompt's case: worth a line only when debugging.
+            log.log(logging.DEBUG if source is PrefixSource.BUILT else logging.INFO, "shared prefix",
+                    extra={"job_id": job_id, "blocks": len(hashes) - covered, "source": source.value})
             if source is PrefixSource.BUILT:
                 return Prepared(source)  # computed here: hot now
             cold = self.tier.present_run(hashes[hot:])  # what the builder wrote
@@ -118,6 +153,29 @@ class PrefixSharing:
         if not self.decision.should_load(cold):
             return Prepared(source, decision="recompute")
         return Prepared(source, self._load(prompt, hashes, cache_salt, hot, cold), "load")
+
+    def plan_many(self, prompts: Sequence[tuple[Sequence[int], Optional[str]]]) -> list[Plan]:
+        """Step 1 of `prepare` for several prompts (each with its cache salt) at once: the
+        cold tier's lookups are one round trip for all of them."""
+        blocks = self.engine.block_manager
+        hashed = []
+        for prompt, salt in prompts:
+            hashes = blocks.prefix_hashes(prompt, salt)
+            hashed.append((hashes, len(blocks.cached_block_ids(hashes))))  # a hint, as in `prepare`
+        colds = self.tier.present_runs([hashes[hot:] for hashes, hot in hashed])
+        plans = []
+        for (hashes, hot), cold in zip(hashed, colds):
+            covered = hot + cold
+            if len(hashes) - covered >= self.min_blocks:
+                kind = "build"
+            elif cold and self.decision.prefers_load(cold):
+                kind = "load"  # `prepare` counts the decision when it loads
+            else:
+                if cold:
+                    kv_metrics.KV_DECISIONS.labels("recompute").inc()
+                kind = "none"
+            plans.append(Plan(kind, hashes, hot, covered))
+        return plans
 
     def _load(self, prompt: Sequence[int], hashes: list[str], cache_salt: str | None, hot: int, cold: int) -> list[int]:
         """Fetch the cold run straight into pool blocks set aside for it, and have the
@@ -217,6 +275,66 @@ class PrefixSharingEngine:
                                         on_token=first_token if held or on_token else None, cache_salt=cache_salt)
         finally:
             release()
+
+    def start_many(self, requests: Sequence[Request], computed: Callable[[int], None]) -> list[Optional[Running]]:
+        """Submit several requests past their prefix step without blocking on any of them
+        (a Celery message's jobs, run side by side by one thread, workers/batch.py):
+        the prefix lookups are one round trip for all, the flights' claims another.
+        A request whose prefix this worker now builds calls `computed(i)` (i: its
+        index; on the step thread, O(1)) once, at its first token or at its end if it
+        ends without one; the caller then hands its `Running.build` to `end_builds`. None for a request that
+        needs what only `generate` does: cold blocks to load, a flight another worker
+        holds (or one to look at again), or a prefix step that failed."""
+        try:
+            plans = self.sharing.plan_many([(r.prompt, r.cache_salt) for r in requests])
+        except Exception:  # noqa: BLE001 - `generate` tries again, and prefills locally if it fails too
+            log.warning("shared-prefix lookups failed; each job tries on its own", exc_info=True)
+            return [None] * len(requests)
+        flights = [i for i, plan in enumerate(plans) if plan.kind == "build"]
+        try:
+            claimed = self.sharing.tier.claim_prefixes([(plans[i].hashes, plans[i].covered) for i in flights])
+        except Exception:  # noqa: BLE001 - as above
+            log.warning("shared-prefix claims failed; each job tries on its own", exc_info=True)
+            claimed = [None] * len(flights)
+        builds = dict(zip(flights, claimed))
+        started: list[Optional[Running]] = []
+        for i, (request, plan) in enumerate(zip(requests, plans)):
+            build = builds.get(i)
+            if plan.kind == "load" or (plan.kind == "build" and build is None):
+                started.append(None)
+                continue
+            on_token = request.on_token
+            if build is not None:
+                store = (lambda plan=plan: self.sharing._store(plan.hashes, (plan.hot, plan.covered)))
+                first = _Once(lambda i=i: computed(i))  # once: not a wake-up per token
+
+                def tokens(token: int, first: _Once = first,
+                           on_token: Optional[Callable[[int], None]] = on_token) -> None:
+                    first()
+                    if on_token is not None:
+                        on_token(token)
+                on_token = tokens
+            try:
+                handle = self.engine.submit(request.request_id, request.prompt, request.max_new_tokens,
+                                            request.sampling, priority_rank=request.priority_rank,
+                                            stop=request.stop, on_token=on_token, cache_salt=request.cache_salt)
+            except Exception:  # noqa: BLE001 - e.g. the engine's input checks: `generate` meets them again
+                if build is not None:  # nothing computed: the waiters, if any, build it themselves
+                    self.end_builds([(build, lambda: None)])
+                started.append(None)
+                continue
+            if build is not None:
+                handle.add_done_callback(lambda _, first=first: first())  # ended (or failed) before a token
+            started.append(Running(handle, None if build is None else (build, store)))
+        return started
+
+    def end_builds(self, builds: list[tuple[PrefixBuild, Callable[[], None]]]) -> None:
+        """The prompts of these `start_many` builds are computed: store the blocks
+        somebody waits for, release every flight (SingleFlight.finish_held)."""
+        try:
+            self.sharing.tier.finish_prefixes(builds)
+        except Exception:  # noqa: BLE001 - the cold tier is an optimisation; a lock left expires
+            log.warning("could not end shared-prefix builds", exc_info=True)
 
     def cancel(self, request_id: str) -> bool:
         return self.engine.cancel(request_id)

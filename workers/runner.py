@@ -11,8 +11,10 @@ The runner reads both, takes the lease and marks the job running in one atomic c
 runner still holds the lease and releases it in the same call, so even a runner that
 stalled past its lease cannot write a second result. A run costs the state Redis two
 round trips of its own, begin and finish (the jobs of one message begin together,
-`begin_all`); `RunWatch` (workers/watch.py) renews the leases of every job running
-here together.
+`begin_all`, and those that end together finish together, `settle_many`); `RunWatch`
+(workers/watch.py) renews the leases of every job running here together. `run` is
+`start`, the engine (`call`) and `settle`; workers/batch.py runs the same three steps
+for a message's jobs side by side on one thread.
 
 Tokens: the scheduler reserved the job's KV tokens in the ledger when it admitted it;
 `begin` moves that reservation to the run lease, `RunWatch` renews both together, and
@@ -100,6 +102,19 @@ class Outcome:
 
     label: str  # done | failed | expired | cancelled | duplicate | invalid
     job_id: str | None
+
+
+@dataclass(frozen=True)
+class Started:
+    """A run past its start (`JobRunner.start`), on its way to the engine."""
+
+    job: JobRequest
+    lease: Lease
+    begun: Begun
+    at: dict[str, Optional[float]]  # the "done" line's hops so far
+    prompt: list[int]
+    salt: Optional[str]  # the tenant's cache namespace (None: one namespace)
+    on_token: Optional[Callable[[int], None]]  # the stream's per-token callback
 
 
 class JobRunner:
@@ -250,6 +265,19 @@ class JobRunner:
             time.sleep(self.poll_s)
 
     def _execute(self, job: JobRequest, lease: Lease, begun: Begun, at: dict[str, Optional[float]]) -> Outcome:
+        started = self.start(job, lease, begun, at)
+        if isinstance(started, Outcome):
+            return started
+        try:
+            completion, from_cache = self.call(started)
+        except Exception as exc:  # noqa: BLE001 - settled below, as a batched run settles it
+            return self.settle(started, error=exc)
+        return self.settle(started, completion, from_cache=from_cache)
+
+    def start(self, job: JobRequest, lease: Lease, begun: Begun, at: dict[str, Optional[float]]) -> "Outcome | Started":
+        """Everything of a begun run before the engine: an expired job ends here (its
+        Outcome); any other is watched, announced on its stream, and comes back as the
+        `Started` run that `call` (or a batched run, workers/batch.py) hands the engine."""
         if begun.outcome == "expired":
             now = self.clock()
             self.store.fail(job.job_id, JobState.EXPIRED, "deadline_passed",
@@ -258,27 +286,82 @@ class JobRunner:
             log.info("expired before start", extra={"job_id": job.job_id})
             return Outcome("expired", job.job_id)
         self.watch.add(job.job_id, lease)
-        log.info("running", extra={"job_id": job.job_id, "priority": job.priority.value, "tenant": job.tenant})
+        # Debug: the "done" line carries every hop of the job's time (issue 16: a line
+        # per job and state cost the fleet's short jobs a few percent).
+        log.debug("running", extra={"job_id": job.job_id, "priority": job.priority.value, "tenant": job.tenant})
         on_token = self._begin_stream(job, begun)
-        try:
-            # The API (or, for a job produced straight to Kafka, the scheduler) tokenized the
-            # prompt; only a task sent by a scheduler from before that carries text.
-            prompt = job.prompt_tokens if job.prompt_tokens is not None else self.tokenizer.encode(job.prompt or "")
-            salt = self.cache_salt(job.tenant) if self.cache_salt else None
+        # The API (or, for a job produced straight to Kafka, the scheduler) tokenized the
+        # prompt; only a task sent by a scheduler from before that carries text.
+        prompt = job.prompt_tokens if job.prompt_tokens is not None else self.tokenizer.encode(job.prompt or "")
+        salt = self.cache_salt(job.tenant) if self.cache_salt else None
+        return Started(job, lease, begun, at, list(prompt), salt, on_token)
 
-            def run() -> Completion:
-                return self.engine.generate(job.job_id, prompt, job.max_new_tokens, job.sampling,
-                                            priority_rank=job.priority.rank, stop=tuple(job.sampling.stop),
-                                            **({"on_token": on_token} if on_token is not None else {}),
-                                            **({"cache_salt": salt} if salt is not None else {}))
+    def cached(self, started: "Started") -> bool:
+        """Whether the run goes through the exact-match result cache (`call`)."""
+        job = started.job
+        return self.results is not None and job.sampling.cache and determined(job) \
+            and self.result_cache_allowed(job.tenant)
 
-            if self.results is not None and job.sampling.cache and determined(job) \
-                    and self.result_cache_allowed(job.tenant):
-                completion, from_cache = self.results.get_or_run(
-                    msgspec.structs.replace(job, prompt_tokens=list(prompt)), salt or "", run)
-            else:
-                completion, from_cache = run(), False
-        except RequestCancelled:
+    def call(self, started: "Started") -> tuple[Completion, bool]:
+        """The engine's completion for the run (blocks), and whether it came from the
+        result cache."""
+        job = started.job
+
+        def run() -> Completion:
+            return self.engine.generate(job.job_id, started.prompt, job.max_new_tokens, job.sampling,
+                                        priority_rank=job.priority.rank, stop=tuple(job.sampling.stop),
+                                        **({"on_token": started.on_token} if started.on_token is not None else {}),
+                                        **({"cache_salt": started.salt} if started.salt is not None else {}))
+
+        if self.cached(started):
+            return self.results.get_or_run(msgspec.structs.replace(job, prompt_tokens=started.prompt),
+                                           started.salt or "", run)
+        return run(), False
+
+    def settle(self, started: "Started", completion: Optional[Completion] = None, *, from_cache: bool = False,
+               error: Optional[BaseException] = None) -> Outcome:
+        """Record how the engine ended the run: its result, or what its error means
+        (cancelled, rejected, a fault); raises HandBack where the job goes back to its
+        queue. Each job's own; `settle_many` writes several results in one round trip."""
+        if error is not None:
+            return self._settle_error(started, error)
+        return self.settle_many([(started, completion, from_cache)])[0]
+
+    def settle_many(self, runs: list[tuple["Started", Completion, bool]]) -> list[Outcome]:
+        """Record the results of runs the engine finished: the stream's end before each
+        result (see the module docstring), then every result in one round trip
+        (`JobStore.finish_many`) instead of one each."""
+        for started, _, _ in runs:
+            self.watch.discard(started.job.job_id)
+        results = [self._result(s.job, c, s.begun, from_cache) for s, c, from_cache in runs]
+        for (started, _, _), result in zip(runs, results):
+            self._end_stream(started.job.job_id, JobState.DONE, text=result.text,
+                             finish_reason=result.finish_reason, usage=result.usage)
+        written = self.store.finish_many([(r, s.lease.token) for (s, _, _), r in zip(runs, results)])
+        outcomes = []
+        stored = self.clock()
+        for (started, completion, _), w in zip(runs, written):
+            job, at = started.job, started.at
+            if not w.ok:
+                # Lease lost (we stalled past it and another copy took over) or already
+                # terminal: the other copy's result stands; ours is dropped, not doubled.
+                log.warning("result not written", extra={"job_id": job.job_id, "state": w.previous})
+                outcomes.append(Outcome("duplicate", job.job_id))
+                continue
+            at.update(engine_in=completion.submitted_at, engine_started=completion.started_at,
+                      first_token=completion.first_token_at, engine_finished=completion.finished_at, stored=stored)
+            log.info("done", extra={"job_id": job.job_id, "completion_tokens": len(completion.tokens),
+                                    "cached_tokens": completion.cached_tokens,
+                                    "seconds": round(completion.finished_at - completion.started_at, 3),
+                                    # Unix seconds of each hop here (bench/fleet_jobs.py `hops`).
+                                    "at": at})
+            outcomes.append(Outcome("done", job.job_id))
+        return outcomes
+
+    def _settle_error(self, started: "Started", exc: BaseException) -> Outcome:
+        job, lease, begun = started.job, started.lease, started.begun
+        self.watch.discard(job.job_id)
+        if isinstance(exc, RequestCancelled):
             if self.draining.is_set() and self.store.state(job.job_id) == JobState.RUNNING:
                 # Cancelled by the drain's grace period, not by the client: another
                 # worker reruns it (run() releases the lease on the way out).
@@ -288,34 +371,15 @@ class JobRunner:
             self._end_stream(job.job_id, JobState.CANCELLED, error=JobError("cancelled", "cancelled by the client"))
             log.info("cancelled", extra={"job_id": job.job_id})
             return Outcome("cancelled", job.job_id)
-        except ValueError as exc:  # the engine's own input checks (e.g. PromptTooLong)
+        if isinstance(exc, ValueError):  # the engine's own input checks (e.g. PromptTooLong)
             self._end_stream(job.job_id, JobState.FAILED, error=JobError("invalid_request", str(exc)))
             self.store.fail(job.job_id, JobState.FAILED, "invalid_request", str(exc), now=self.clock(),
                             lease_token=lease.token)
             log.warning("rejected by engine", extra={"job_id": job.job_id, "error": str(exc)})
             return Outcome("failed", job.job_id)
-        except Exception as exc:  # noqa: BLE001 - an engine fault (StepFailed, a device error), not the job's
+        if isinstance(exc, Exception):  # an engine fault (StepFailed, a device error), not the job's
             return self._faulted(job, lease, exc, begun.attempt)
-        finally:
-            self.watch.discard(job.job_id)
-        result = self._result(job, completion, begun, from_cache)
-        # The stream's last text and its end before the result: see the module docstring.
-        self._end_stream(job.job_id, JobState.DONE, text=result.text, finish_reason=result.finish_reason,
-                         usage=result.usage)
-        written = self.store.finish(result, lease_token=lease.token)
-        if not written.ok:
-            # Lease lost (we stalled past it and another copy took over) or already
-            # terminal: the other copy's result stands; ours is dropped, not doubled.
-            log.warning("result not written", extra={"job_id": job.job_id, "state": written.previous})
-            return Outcome("duplicate", job.job_id)
-        at.update(engine_in=completion.submitted_at, engine_started=completion.started_at,
-                  first_token=completion.first_token_at, engine_finished=completion.finished_at, stored=self.clock())
-        log.info("done", extra={"job_id": job.job_id, "completion_tokens": len(completion.tokens),
-                                "cached_tokens": completion.cached_tokens,
-                                "seconds": round(completion.finished_at - completion.started_at, 3),
-                                # Unix seconds of each hop here (bench/fleet_jobs.py `hops`).
-                                "at": at})
-        return Outcome("done", job.job_id)
+        raise exc
 
     def _begin_stream(self, job: JobRequest, begun: Begun) -> Optional[Callable[[int], None]]:
         """Announce the run (2 and up: the job is rerun from scratch) on the job's stream
