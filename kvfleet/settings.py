@@ -568,7 +568,7 @@ class ColdTierSettings:
     quant: str = knob("none", "COLD_QUANT", str.lower, choices=("none", "int8"))
     #: Bytes of evicted blocks queued for the spill thread before spills are dropped
     #: (counted), so a slow Redis never stalls the engine.
-    spill_max_bytes: int = knob(256 * 2**20, "COLD_SPILL_MAX_BYTES", int, lo=0)
+    spill_max_bytes: int = knob(256 * 2**20, "COLD_SPILL_MAX_BYTES", int, lo=1)
     #: A prompt prefix of at least this many full blocks that is in neither tier is
     #: prefilled by one worker of the fleet while the others wait for it (stampede
     #: protection); shorter ones are cheaper to recompute than to coordinate.
