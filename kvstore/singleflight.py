@@ -219,7 +219,11 @@ class SingleFlight:
                 held.append(None)
                 continue
             if claimed == 2 or self.recheck == "always":
-                self._release(lease)
+                try:
+                    self._release(lease)
+                except redis.RedisError as exc:  # not renewed: it expires within one lock TTL
+                    log.warning("could not release a lock taken for a look again",
+                                extra={"lock": lease.key, "error": str(exc)})
                 held.append(None)
                 continue
             metrics.MISSES.labels(self.name).inc()

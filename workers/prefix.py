@@ -36,6 +36,13 @@ Before a job reaches the engine, in the job's own task thread (never the step th
 
 The adopted blocks stay held until the job's first token arrives (its admission is
 over by then) or it ends, so no other allocation evicts them first.
+
+The jobs of a several-job message take the same steps together and without blocking
+(`PrefixSharingEngine.start_many`, driven by workers/batch.py): step 1's lookups for
+all of them in one round trip, the flights' claims in another, each builder submitted
+at once with its first token reported back, and the builds reported together ended in
+one round trip (`end_builds`). A job that would have to wait — cold blocks to load, a
+flight another worker holds — is left to `generate`, on a thread of its own.
 """
 
 from __future__ import annotations
