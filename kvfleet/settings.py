@@ -543,8 +543,8 @@ class WorkerSettings:
     #: throughput, docs/benchmarks.md).
     stream_all: bool = knob(False, "WORKER_STREAM_ALL", _bool)
     #: Runs of one job an engine fault may end before the job fails (`worker_error`).
-    #: Until then each faulted run goes back to its queue for any worker to run again;
-    #: an input error fails at once.
+    #: Until then each faulted run goes back to its queue for any worker to run again
+    #: (and a fault on a worker gone unhealthy always does); an input error fails at once.
     max_job_faults: int = knob(3, "WORKER_MAX_JOB_FAULTS", int, lo=1)
     #: Engine steps that raise in a row before the worker calls itself unhealthy:
     #: it withdraws its capacity, hands its jobs back and exits non-zero for its

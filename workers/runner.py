@@ -141,7 +141,8 @@ class JobRunner:
         #: cached prefixes only within a namespace. None: one namespace (tests of the runner).
         self.cache_salt = cache_salt
         #: Runs of one job that engine faults may end before it fails, and the worker's
-        #: health check, told of every fault (workers/health.py).
+        #: health check, told of every fault (workers/health.py): true once it calls the
+        #: worker unhealthy, and then no fault here counts toward a job's failure.
         self.max_job_faults = max_job_faults
         self.on_fault = on_fault
         #: The exact-match result cache (workers/result_cache.py), for requests that ask
@@ -398,13 +399,20 @@ class JobRunner:
     def _faulted(self, job: JobRequest, lease: Lease, exc: Exception, attempt: int) -> Outcome:
         """An infrastructure fault ended this run: the job is not to blame, so it goes
         back to its queue for any worker (`FaultedRun`), up to `max_job_faults` runs;
-        then it fails, with the count in its error."""
+        then it fails, with the count in its error.
+
+        A fault on a worker the health check has just called (or had called) unhealthy
+        is the worker's, whatever the count: the job goes back. A sick worker that took
+        the same requeued job up to the limit (it rejects the message and may be first
+        to read it again) would otherwise fail a job that runs fine anywhere else. A job
+        that makes every engine fault still fails: the next worker's fault counts."""
         message = f"{type(exc).__name__}: {exc}"
         faults = self.store.count_fault(job.job_id)
-        self.on_fault()
-        if faults < self.max_job_faults:
+        worker_sick = bool(self.on_fault())
+        if faults < self.max_job_faults or worker_sick:
             log.warning("engine fault; the job goes back to its queue",
-                        extra={"job_id": job.job_id, "attempt": attempt, "faults": faults, "error": message})
+                        extra={"job_id": job.job_id, "attempt": attempt, "faults": faults, "error": message,
+                               "worker_unhealthy": worker_sick})
             raise FaultedRun(f"engine fault in run {attempt} of job {job.job_id}: {message}") from exc
         message = (f"{message} (engine faults ended {faults} runs of this job, the limit "
                    f"KVFLEET_WORKER_MAX_JOB_FAULTS; the last was attempt {attempt})")
