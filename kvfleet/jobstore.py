@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import msgspec
 import redis
+from redis.commands.core import Script
 
 from kvfleet import constants, ledger
 from kvfleet.lua import REDIS_NOW
@@ -384,10 +385,17 @@ class JobStore:
 
     def states(self, job_ids: Sequence[str]) -> list[Optional[JobState]]:
         """Every job's state (None: no such job), in one round trip per STATES_PER_CALL."""
-        raw: list = []
-        for start in range(0, len(job_ids), STATES_PER_CALL):
-            raw += self._states(keys=[self.keys.job(job_id) for job_id in job_ids[start:start + STATES_PER_CALL]])
-        return [JobState(r.decode()) if r else None for r in raw]
+        return self.decode_states([script(keys=keys, args=args) for script, keys, args in self.states_calls(job_ids)])
+
+    def states_calls(self, job_ids: Sequence[str]) -> list[tuple[Script, list, list]]:
+        """The script calls `states` makes, for a caller that sends them in one pipeline
+        with calls of its own (`ScriptBatch.run_all`); `decode_states` reads their replies."""
+        return [(self._states, [self.keys.job(job_id) for job_id in job_ids[start:start + STATES_PER_CALL]], [])
+                for start in range(0, len(job_ids), STATES_PER_CALL)]
+
+    @staticmethod
+    def decode_states(replies: Sequence[list]) -> list[Optional[JobState]]:
+        return [JobState(r.decode()) if r else None for raw in replies for r in raw]
 
     def get(self, job_id: str) -> Optional[JobResult]:
         return result_from_hash(job_id, self.client.hgetall(self.keys.job(job_id)))

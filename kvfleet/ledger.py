@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import redis
+from redis.commands.core import Script
 
 from kvfleet.constants import Keys
 from kvfleet.contracts import Priority
@@ -201,7 +202,16 @@ class Ledger:
         return sum(int(v) for v in self.client.hvals(self._keys[0]))
 
     def usage(self) -> Usage:
-        raw = self._snapshot(keys=[self._keys[0], self._keys[2]])
+        script, keys, args = self.usage_call()
+        return self.decode_usage(script(keys=keys, args=args))
+
+    def usage_call(self) -> tuple[Script, list, list]:
+        """The script call `usage` makes, for a caller that sends it in one pipeline with
+        calls of its own (`ScriptBatch.run_all`); `decode_usage` reads its reply."""
+        return self._snapshot, [self._keys[0], self._keys[2]], []
+
+    @staticmethod
+    def decode_usage(raw: list) -> Usage:
         total, by_tenant, by_class, by_both = 0, {}, {}, {}
         for i in range(0, len(raw), 3):
             tokens = int(raw[i + 1])

@@ -49,8 +49,9 @@ from kvfleet.celery_app import make_celery
 from kvfleet.contracts import JobRequest, JobState, Priority
 from kvfleet.jobstore import JobStore
 from kvfleet.kafka import ensure_topics, make_admin, make_consumer, make_producer, release_parked
-from kvfleet.ledger import Ledger
+from kvfleet.ledger import Ledger, Usage
 from kvfleet.results import KnownTopics, ResultRelay
+from kvfleet.scriptbatch import ScriptBatch
 from kvfleet.settings import Settings
 from kvfleet.tenancy import Tenancy
 from scheduler import metrics as m
@@ -133,6 +134,11 @@ class SchedulerService:
         self.idle = IdleWithLag(settings.scheduler.idle_lag_window_s)
         self.problem: Optional[str] = None  # why /healthz says unhealthy; None: healthy
         self._last_idle_rejoin = float("-inf")
+        #: The intake's state reads and the budget's ledger read, sent as one pipeline.
+        self._reads: Optional[ScriptBatch] = None
+        #: The ledger's usage, read with this step's records' states (`read_states`) for
+        #: this step's budget; None: read it there.
+        self._usage: Optional[Usage] = None
 
     def run(self) -> None:
         self.wait_for_topics()
@@ -150,6 +156,7 @@ class SchedulerService:
         log.info("scheduler stopping: stop requested")
 
     def step(self) -> None:
+        self._usage = None  # never a past step's
         records = self.forget_revoked(self.poll())
         self.check_membership()
         self.check_relay()
@@ -305,7 +312,7 @@ class SchedulerService:
     def intake(self, records: list[ConsumerRecord]) -> None:
         try:
             jobs = self.decode(records)
-            states = self.store.states([j.job_id for _, _, j in jobs])
+            states = self.read_states([j.job_id for _, _, j in jobs])
             # Produced without the API (any Kafka client may): record them, tokenized, in
             # one round trip for the poll (a round trip each cost short jobs a tenth).
             new = [i for i, state in enumerate(states) if state is None]
@@ -324,6 +331,26 @@ class SchedulerService:
             except _FAILURES:
                 self.rewind((tp, offset) for tp, offset, _ in jobs[i:])
                 raise
+
+    def read_states(self, job_ids: list[str]) -> list[Optional[JobState]]:
+        """The jobs' states, and with them, in the same round trip, the ledger's usage
+        that this step's budget reads next: new records are jobs to place, and the two
+        reads one after the other cost an idle job's path a round trip (issue 16). The
+        usage is a snapshot a moment older than it would be, which no decision relies
+        on: other processes change the ledger all the time, and the admission's Lua
+        checks the capacity again, atomically."""
+        if not job_ids:
+            return []
+        if self.ledger is None:  # a service built without one (tests of the intake alone)
+            return self.store.states(job_ids)
+        if self._reads is None:
+            self._reads = ScriptBatch(self.store.client)
+        replies = self._reads.run_all([*self.store.states_calls(job_ids), self.ledger.usage_call()])
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        self._usage = Ledger.decode_usage(replies[-1])
+        return JobStore.decode_states(replies[:-1])
 
     def rewind(self, records: Iterable[tuple[TopicPartition, int]]) -> None:
         """Read these records again on the next poll (the consumer's position has passed
@@ -397,7 +424,7 @@ class SchedulerService:
     def budget(self) -> Budget:
         if not self.policy.pending():
             return Budget(0, 0)  # nothing buffered to place: spare the two reads
-        usage = self.ledger.usage()
+        usage, self._usage = (self._usage if self._usage is not None else self.ledger.usage()), None
         return Budget(self.capacity.read(), usage.in_use, usage.by_tenant, usage.by_class,
                       slots=self.capacity.slots(), jobs=usage.jobs, tenant_class_in_use=usage.by_tenant_class)
 

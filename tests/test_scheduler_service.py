@@ -28,6 +28,7 @@ from scheduler.intake import Tokenize
 from scheduler.offsets import OffsetBook
 from scheduler.service import SchedulerService
 from tests.fleet import Fleet, free_port
+from tests.recording_redis import Recording
 
 
 def submit(fleet: Fleet, priority: str, cost: int, **body) -> str:
@@ -265,6 +266,35 @@ def test_a_redis_error_during_intake_rereads_exactly_the_records_not_yet_taken(r
     service.intake(records)  # the re-read
     assert list(service.waiting) == ["a", "b", "c"] and service.policy.pending() == 3
     assert service.offsets.position(tp) == 10 and store.state("c") is JobState.QUEUED
+
+
+def test_new_records_cost_one_round_trip_for_their_states_and_the_budget(redis_url, prefix):
+    # Issue 16: the intake's state read, then the budget's ledger read, cost an idle
+    # job's path two round trips one after the other; now one pipeline carries both.
+    settings = Settings().replace(kafka=KafkaSettings(topic_prefix=f"{prefix}.requests"),
+                                  redis=RedisSettings(key_prefix=prefix))
+    client = Recording.from_url(redis_url)
+    keys = Keys(prefix)
+    store, ledger = JobStore(client, keys), Ledger(client, keys)
+    capacity = SimpleNamespace(read=lambda: 10_000, slots=lambda: 0)
+    service = SchedulerService(settings, _SeekingConsumer(), None, SimpleNamespace(store=store), ledger, capacity,
+                               Tenancy(None), Tokenize("builtin:tiny"))
+    held = JobRequest(job_id="held", tenant="acme", priority=Priority.NORMAL, model="builtin:tiny", max_new_tokens=4,
+                      submitted_at=time.time(), prompt_tokens=[1, 2, 3])
+    store.create(held)
+    store.admit_many([Admit("held", 7, "acme", Priority.NORMAL)], capacity=10_000, lease_s=60, now=time.time(), by="s")
+    job = JobRequest(job_id="new", tenant="acme", priority=Priority.NORMAL, model="builtin:tiny", max_new_tokens=4,
+                     submitted_at=time.time(), prompt_tokens=[1, 2, 3])
+    store.create(job)
+    record = ConsumerRecord(settings.kafka.topics[1], 0, -1, 5, 0, 0, b"acme", encode(job), [], None, 4, 100, 0)
+    client.trips.clear()
+    service.intake([record])
+    budget = service.budget()
+    assert client.trips == [["EVALSHA", "EVALSHA"]]  # the states and the ledger, one pipeline
+    assert list(service.waiting) == ["new"]
+    assert budget.in_use == 7 and budget.tenant_in_use == {"acme": 7}  # the ledger as it was read
+    client.trips.clear()
+    assert service.budget().in_use == 7 and client.round_trips == 1  # read once: the next budget reads again
 
 
 def _service(settings: Settings, consumer) -> SchedulerService:
