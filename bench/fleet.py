@@ -369,7 +369,7 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
     """Jobs through the fleet against the same jobs on one engine (bench/fleet_jobs.py),
     per output length, and one job's overhead on the idle fleet."""
     short_n = 1000 if args.quick else 2000
-    long_n = 100 if args.quick else 500
+    long_n = 300 if args.quick else 500  # quick: 300, not 100: a run of a few seconds on 2 cores is noisy
     lengths = (1, 128) if args.quick else OUTPUT_LENGTHS
     counts = {n: short_n if n == 1 else long_n if n == 128 else max(long_n, short_n // n) for n in lengths}
     engine = {}
@@ -396,7 +396,7 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
             worker_metrics.append(lambda port=port: fleet.metrics(port))
         fleet.wait_ready(workers=args.workers)
         pids = {**{name: proc.pid for name, proc in fleet.procs.items()}, **fleet_jobs.infra_pids(infra)}
-        over = fleet_jobs.overhead(fleet.url, API_KEY, 15 if args.quick else 40, seed=99, log_dir=log_dir)
+        over = fleet_jobs.overhead(fleet.url, API_KEY, 30 if args.quick else 40, seed=99, log_dir=log_dir)
         print(f"[bench] overhead of one 1-token job on the idle fleet: p50 {over['overhead_p50_ms']:.1f} ms",
               flush=True)
         fleet_jobs.through_fleet(infra["kafka"], topics[1], topics[4], "bench", "builtin:tiny",

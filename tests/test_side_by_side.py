@@ -27,8 +27,9 @@ from kvstore.coldtier import ColdTier, PrefixSource, connect
 from kvstore.hooks import ColdTierHooks
 from workers.engine import Engine, EngineConfig
 from workers.model.loader import load_model
-from workers.prefix import PrefixSharing, PrefixSharingEngine, Request
-from workers.runner import JobRunner
+from workers.prefix import PrefixSharing, PrefixSharingEngine, Request, Running
+from workers.batch import run_side_by_side
+from workers.runner import JobRunner, Outcome, Started
 from workers.tasks import register
 from tests.recording_redis import Recording
 
@@ -210,3 +211,52 @@ def test_the_flights_of_start_many_meet_those_of_ensure_prefix(cache_redis_url, 
         assert sources == [PrefixSource.BUILT]
     finally:
         _close(a)
+
+
+# --- the order of a report's work (logic only: a recording generator and runner) ----
+class _Ended:
+    """A request that ended before its report was read, as a 1-token job does in the
+    step that computes its prompt: its done callback runs at once (RequestHandle's)."""
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)
+
+    def result(self, timeout=None):
+        return "completion"
+
+
+class _Recording:
+    def __init__(self, fail: bool) -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+        self.engine = self  # the generator and the runner in one: both record into `calls`
+
+    def start_many(self, requests, computed):
+        computed(0)
+        return [Running(_Ended(), build=("build", lambda: None))]
+
+    def end_builds(self, builds) -> None:
+        self.calls.append("end_builds")
+
+    def settle_many(self, finished):
+        self.calls.append("settle_many")
+        if self.fail:
+            raise redis.ConnectionError("the state Redis is gone")
+        return [Outcome("done", s.job.job_id) for s, _, _ in finished]
+
+
+class _Lease:
+    def release(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_report_settles_its_ended_jobs_before_it_ends_their_builds(fail):
+    # A 1-token job's end comes in the same report as its build's: its result (what its
+    # client waits for) is written first, and the flights end even when settling fails.
+    recording = _Recording(fail)
+    job = JobRequest(job_id="j", tenant="acme", priority=Priority.NORMAL, model="builtin:tiny",
+                     prompt="p", max_new_tokens=1, submitted_at=0.0)
+    ended = run_side_by_side(recording, [Started(job, _Lease(), None, {}, [1, 2, 3], None, None)])
+    assert recording.calls == ["settle_many", "end_builds"]
+    assert isinstance(ended[0], redis.ConnectionError) if fail else ended[0] == Outcome("done", "j")

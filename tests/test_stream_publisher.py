@@ -72,6 +72,20 @@ def test_a_run_nobody_follows_writes_nothing_and_its_end_does_not_wait(publisher
     assert redis_client.exists(keys.job_stream(JOB)) == 0
 
 
+def test_tokens_are_never_handed_to_the_publisher_thread(redis_client, keys):
+    # The step thread only appends to the run's own list: a hand-off per token (a queue
+    # put the publisher thread wakes for) took the GIL from the step thread as often
+    # (issue 16). A publisher whose thread has not started shows what was handed over.
+    publisher = StreamPublisher(redis_client, keys, ByteTokenizer())
+    for followed in (False, True):
+        publisher.begin(JOB, 1, followed=followed)
+        tokens(publisher, "many tokens")
+        assert publisher._queue.qsize() == 1  # the begin, and nothing per token
+        publisher.end(JOB, JobState.DONE, text="many tokens", wait=False)
+        assert publisher._queue.qsize() == 2  # and the end
+        publisher._drain([])
+
+
 def test_a_quiet_run_followed_midway_streams_its_text_so_far_then_the_rest(publisher, redis_client, keys):
     publisher.begin(JOB, 2, followed=False)
     tokens(publisher, "before ")

@@ -10,10 +10,11 @@ Here the task thread drives its message's jobs instead:
    tier's lookups in one round trip, the single flights' claims in another, and each
    job submitted to the engine without waiting;
 2. one wait, on one queue, for what the step thread reports: a builder's prompt is
-   computed (its flight ends: the waiter counts and releases of every build reported
-   together share one round trip), or a job ended;
+   computed, or a job ended;
 3. the jobs that ended together settle together (`JobRunner.settle_many`): every
-   stream's end, then every result in one round trip.
+   stream's end, then every result in one round trip; then the flights of the builds
+   reported together end (the waiter counts and releases of all of them share one
+   round trip), after the results, which is what a client waits for.
 
 Each job keeps its own run lease, its own outcome and its own exactly-once guarantees:
 what `JobRunner.run` does for one job, in the same order, batched only where Redis
@@ -73,10 +74,15 @@ def run_side_by_side(runner: JobRunner, starts: Sequence[Started]) -> list[Optio
             if build is not None and i not in builds_ended:
                 builds_ended.add(i)
                 builds.append(build)
-        if builds:
-            end_builds(builds)
         done = [i for kind, i in reported if kind == "done"]
-        _settle(runner, [(i, starts[i], running[i].handle) for i in done], ended)
+        try:
+            # The jobs that ended first: their results are what clients wait for, and a
+            # 1-token job's end is reported with its build's; the builds' stores and
+            # releases only let waiters go (another job's prefix), a round trip later.
+            _settle(runner, [(i, starts[i], running[i].handle) for i in done], ended)
+        finally:
+            if builds:  # always: a flight left held would stall its waiters for a lock's lifetime
+                end_builds(builds)
         pending -= len(done)
     return ended
 

@@ -353,6 +353,8 @@ class _Once:
         self._lock = threading.Lock()
 
     def __call__(self) -> None:
+        if self._fn is None:  # called already: no lock for each of a build's later tokens
+            return
         with self._lock:
             fn, self._fn = self._fn, None
         if fn is not None:

@@ -1,9 +1,10 @@
 """Publishes each running job's new text to its Redis Stream (kvfleet/streams.py).
 
-One thread per worker process. The engine's step thread only puts each new token on a
-queue (`on_token`: O(1), never blocks, never touches Redis); this thread drains the
-queue, turns each job's tokens into text (workers/detokenizer.py) and writes one delta
-per job per flush, for every job in one pipelined round trip. A slow or failing Redis
+One thread per worker process. The engine's step thread only appends each new token to
+its run's list (`on_token` is that list's `append`: O(1), never blocks, never touches
+Redis, wakes nobody); every FLUSH_S, while some run is streamed, this thread takes each
+streamed run's new tokens from its list, turns them into text (workers/detokenizer.py)
+and writes one delta per job, for every job in one pipelined round trip. A slow or failing Redis
 delays the stream, never the engine: errors are logged and the batch is dropped (the
 job's result, which `follow` ends every stream with, still carries all of its text).
 
@@ -15,9 +16,14 @@ terminal finds the stream complete.
 Only followed runs are written ("loud"; kvfleet/streams.py `follow` marks a job). Most
 jobs nobody follows (batch work, clients that poll), and writing their text cost long
 jobs about a tenth of the fleet's throughput (docs/benchmarks.md). A quiet run's tokens
-are only kept; every FOLLOW_POLL_S this thread asks, in one round trip, whether any of
-its quiet runs is followed now, and such a run turns loud: its `start`, then all its
-text so far in one delta, then deltas as usual. A quiet run's `end` returns at once
+are only appended to its list, which this thread never reads. Tokens used to be handed
+to this thread through a queue, one put per token, and the thread woke for each batch of
+them, taking the GIL from the step thread (py-spy showed the step thread waiting for it,
+issue 16); what that cost could not be told apart from the fleet bench's noise on a
+2-core machine (docs/benchmarks.md), but a hand-off per token is work the engine never
+needed. Every FOLLOW_POLL_S this thread asks, in one round trip, whether any of its
+quiet runs is followed now, and such a run turns loud: its `start`, then all its text
+so far (its whole list) in one delta, then deltas as usual. A quiet run's `end` returns at once
 (nothing to write; the follower of an unstreamed job is told from the hash). Whether a
 run is loud is decided under a lock shared with `end`, so a run never turns loud after
 its end was skipped.
@@ -43,10 +49,10 @@ from workers.detokenizer import Detokenizer
 
 log = logging.getLogger("kvfleet.worker")
 
-#: How long the thread gathers tokens before a flush, seconds: at one token per engine
+#: How often streamed runs' new tokens are written, seconds: at one token per engine
 #: step, a flush per step would be a round trip per token; 20 ms is below what a
-#: reader notices and batches several steps of a small model. A batch with a run's end
-#: in it is flushed without this wait: the end holds up the job's result.
+#: reader notices and batches several steps of a small model. A streamed run's end is
+#: written without this wait: the end holds up the job's result.
 FLUSH_S = 0.02
 #: The longest `end` waits for its write, seconds: a Redis that does not answer delays
 #: a job's result by at most this (the result, not the stream, is the truth).
@@ -64,6 +70,7 @@ class _Begin:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     loud: bool  # followed when it began: write its stream from its start
+    sink: list[int]  # the run's tokens, appended by the step thread (`on_token`)
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,7 @@ class _End:
     loud: bool  # its stream was written: write its rest and its end
 
 
-_Token = tuple  # (job_id, token_id): a plain tuple, the cheapest thing to build on the step thread
-_Item = Union[_Begin, _Token, _End]
+_Item = Union[_Begin, _End]
 
 
 @dataclass
@@ -88,16 +94,21 @@ class _Run:
 
     attempt: int
     detokenizer: Detokenizer
-    loud: bool  # its stream is written (followed); quiet runs only keep their tokens
-    tokens: list[int] = field(default_factory=list)  # generated since the last delta
-    unread: list[int] = field(default_factory=list)  # not given to the detokenizer yet
+    loud: bool  # its stream is written (followed); a quiet run's sink is never read
+    sink: list[int]  # every token of the run so far (the step thread appends)
+    seen: int = 0  # how many of the sink's tokens were read
+    tokens: list[int] = field(default_factory=list)  # read since the last delta
     text: str = ""  # safe to send, not sent yet
 
     def read(self) -> None:
-        """Detokenize what came since the last flush: one decode per job per flush."""
-        if self.unread:
-            self.text += self.detokenizer.push(self.unread)
-            self.unread = []
+        """Detokenize what came since the last read: one decode per job per flush. A
+        slice of a list the step thread appends to is a consistent prefix of it (the
+        GIL makes both atomic), so no token is read twice or skipped."""
+        new = self.sink[self.seen:]
+        if new:
+            self.seen += len(new)
+            self.tokens += new
+            self.text += self.detokenizer.push(new)
 
 
 class StreamPublisher:
@@ -113,13 +124,15 @@ class StreamPublisher:
         self.every_run = every_run
         self._queue: "queue.SimpleQueue[Optional[_Item]]" = queue.SimpleQueue()  # unbounded: put never blocks
         self._runs: dict[str, _Run] = {}  # only this thread touches it
-        # Shared with the runners' threads: which runs are loud, and which quiet runs
-        # have ended (never to turn loud). Touched only under the lock.
+        # Shared with the runners' threads: which runs are loud, which quiet runs have
+        # ended (never to turn loud), and each begun run's token list (for `on_token`).
+        # Touched only under the lock.
         self._lock = threading.Lock()
         self._loud: set[str] = set()
         self._quiet_ended: set[str] = set()
+        self._sinks: dict[str, list[int]] = {}
         self._next_poll = 0.0  # monotonic time of the next check for followers
-        self._ended = threading.Event()  # an end was queued: flush without waiting out flush_s
+        self._ended = threading.Event()  # a streamed run's end was queued: flush without waiting out flush_s
         self._thread = threading.Thread(target=self._loop, name="stream-publisher", daemon=True)
 
     def start(self) -> "StreamPublisher":
@@ -139,15 +152,18 @@ class StreamPublisher:
         """A run of the job starts; `attempt` is the job hash's count. Followed (or with
         `every_run`): its `start` event now; else quiet until a follower shows up."""
         loud = followed or self.every_run
-        if loud:
-            with self._lock:
+        sink: list[int] = []
+        with self._lock:
+            if loud:
                 self._loud.add(job_id)
-        self._queue.put(_Begin(job_id, attempt, tuple(stop), tuple(stop_token_ids), loud))
+            self._sinks[job_id] = sink
+        self._queue.put(_Begin(job_id, attempt, tuple(stop), tuple(stop_token_ids), loud, sink))
 
     def on_token(self, job_id: str) -> Callable[[int], None]:
-        """The engine's per-token callback for the job (called on the step thread)."""
-        put = self._queue.put
-        return lambda token_id: put((job_id, token_id))
+        """The engine's per-token callback for the job's run (called on the step thread),
+        after `begin`: the append of the run's token list, and nothing else."""
+        with self._lock:
+            return self._sinks[job_id].append
 
     def end(self, job_id: str, status: JobState, *, text: Optional[str] = None, finish_reason: Optional[str] = None,
             usage: Optional[Usage] = None, error: Optional[JobError] = None, wait: bool = True) -> bool:
@@ -158,6 +174,7 @@ class StreamPublisher:
         with self._lock:
             loud = job_id in self._loud
             self._loud.discard(job_id)
+            self._sinks.pop(job_id, None)
             if not loud:
                 self._quiet_ended.add(job_id)
         written = threading.Event()
@@ -173,12 +190,13 @@ class StreamPublisher:
         stopping = False
         while not stopping:
             items = self._drain(self._next_items())
-            if not any(isinstance(item, _End) or item is None for item in items):
-                # Only tokens and starts: let a few engine steps' tokens gather, unless an
-                # end arrives meanwhile: its runner waits for it before the job's result.
+            if items and not self._ended.is_set():
+                # Only starts and quiet ends, which nobody waits for: let a few more
+                # gather (a wake-up each would take the GIL from the step thread as
+                # often), unless a streamed run's end arrives: its runner waits for it.
                 self._ended.wait(self.flush_s)
-                self._ended.clear()
-                items = self._drain(items)
+            self._ended.clear()
+            items = self._drain(items)
             stopping = None in items
             try:
                 self._flush([item for item in items if item is not None])
@@ -187,12 +205,17 @@ class StreamPublisher:
         log.info("stream publisher stopped")
 
     def _next_items(self) -> list[Optional[_Item]]:
-        """The next item, waiting for it; with quiet runs, waiting no longer than the
-        next check for followers (then no item: the flush checks)."""
-        if not any(not run.loud for run in self._runs.values()):
+        """The next item, waiting for it: with streamed runs, no longer than flush_s (their
+        new tokens are written then); with quiet ones only, no longer than the next check
+        for followers (then no item: the flush does both)."""
+        if any(run.loud for run in self._runs.values()):
+            timeout = self.flush_s
+        elif self._runs:
+            timeout = max(self._next_poll - time.monotonic(), 0.001)
+        else:
             return [self._queue.get()]
         try:
-            return [self._queue.get(timeout=max(self._next_poll - time.monotonic(), 0.001))]
+            return [self._queue.get(timeout=timeout)]
         except queue.Empty:
             return []
 
@@ -208,15 +231,9 @@ class StreamPublisher:
         ended: list[threading.Event] = []
         try:
             for item in items:
-                if isinstance(item, tuple):
-                    job_id, token_id = item
-                    run = self._runs.get(job_id)
-                    if run is not None:  # None: a run that already ended
-                        run.tokens.append(token_id)
-                        run.unread.append(token_id)
-                elif isinstance(item, _Begin):
+                if isinstance(item, _Begin):
                     self._runs[item.job_id] = _Run(item.attempt, Detokenizer(
-                        self.tokenizer, stop=item.stop, stop_token_ids=item.stop_token_ids), item.loud)
+                        self.tokenizer, stop=item.stop, stop_token_ids=item.stop_token_ids), item.loud, item.sink)
                     if item.loud:
                         out.append((item.job_id, StreamEvent(id="", kind=streams.START, attempt=item.attempt)))
                 else:
