@@ -41,8 +41,7 @@ def events(redis_client, keys: Keys) -> list[streams.StreamEvent]:
     return [streams.decode_entry(i.decode(), f) for i, f in redis_client.xrange(keys.job_stream(JOB))]
 
 
-def tokens(publisher: StreamPublisher, text: str) -> None:
-    on_token = publisher.on_token(JOB)
+def tokens(on_token, text: str) -> None:
     for byte in text.encode():
         on_token(byte)
 
@@ -52,18 +51,18 @@ def text_of(evs: list[streams.StreamEvent]) -> str:
 
 
 def test_a_run_followed_from_its_start_is_streamed_from_its_start(publisher, redis_client, keys):
-    publisher.begin(JOB, 1, followed=True)
-    tokens(publisher, "héllo")
+    on_token = publisher.begin(JOB, 1, followed=True)
+    tokens(on_token, "héllo")
     wait_for(lambda: text_of(events(redis_client, keys)) == "héllo", "the first text streamed")
-    tokens(publisher, " world")
+    tokens(on_token, " world")
     assert publisher.end(JOB, JobState.DONE, text="héllo world", finish_reason="length")
     evs = events(redis_client, keys)
     assert [evs[0].kind, evs[-1].kind] == [START, END] and text_of(evs) == "héllo world"
 
 
 def test_a_run_nobody_follows_writes_nothing_and_its_end_does_not_wait(publisher, redis_client, keys):
-    publisher.begin(JOB, 1, followed=False)
-    tokens(publisher, "quiet text")
+    on_token = publisher.begin(JOB, 1, followed=False)
+    tokens(on_token, "quiet text")
     # The follower checks run meanwhile (a poll every 10 ms): none turns it loud.
     polls = publisher._next_poll
     wait_for(lambda: publisher._next_poll > polls + 0.02, "a few checks for followers")
@@ -78,8 +77,8 @@ def test_tokens_are_never_handed_to_the_publisher_thread(redis_client, keys):
     # (issue 16). A publisher whose thread has not started shows what was handed over.
     publisher = StreamPublisher(redis_client, keys, ByteTokenizer())
     for followed in (False, True):
-        publisher.begin(JOB, 1, followed=followed)
-        tokens(publisher, "many tokens")
+        on_token = publisher.begin(JOB, 1, followed=followed)
+        tokens(on_token, "many tokens")
         assert publisher._queue.qsize() == 1  # the begin, and nothing per token
         publisher.end(JOB, JobState.DONE, text="many tokens", wait=False)
         assert publisher._queue.qsize() == 2  # and the end
@@ -87,11 +86,11 @@ def test_tokens_are_never_handed_to_the_publisher_thread(redis_client, keys):
 
 
 def test_a_quiet_run_followed_midway_streams_its_text_so_far_then_the_rest(publisher, redis_client, keys):
-    publisher.begin(JOB, 2, followed=False)
-    tokens(publisher, "before ")
+    on_token = publisher.begin(JOB, 2, followed=False)
+    tokens(on_token, "before ")
     redis_client.set(keys.job_followed(JOB), 1)  # what `follow` does
     wait_for(lambda: text_of(events(redis_client, keys)) == "before ", "the text so far, once followed")
-    tokens(publisher, "after")
+    tokens(on_token, "after")
     assert publisher.end(JOB, JobState.DONE, text="before after", finish_reason="length")
     evs = events(redis_client, keys)
     assert evs[0].kind == START and evs[0].attempt == 2 and evs[-1].kind == END
@@ -114,8 +113,8 @@ def test_a_run_whose_end_was_skipped_never_turns_loud(publisher, redis_client, k
 def test_every_run_streams_them_all(redis_client, keys):
     publisher = StreamPublisher(redis_client, keys, ByteTokenizer(), flush_s=0.001, every_run=True).start()
     try:
-        publisher.begin(JOB, 1, followed=False)
-        tokens(publisher, "all")
+        on_token = publisher.begin(JOB, 1, followed=False)
+        tokens(on_token, "all")
         assert publisher.end(JOB, JobState.DONE, text="all", finish_reason="length")
         assert text_of(events(redis_client, keys)) == "all"
     finally:

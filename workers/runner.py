@@ -388,9 +388,8 @@ class JobRunner:
         engine's per-token callback (None when this worker does not stream)."""
         if self.stream is None:
             return None
-        self.stream.begin(job.job_id, begun.attempt, followed=begun.followed, stop=job.sampling.stop,
-                          stop_token_ids=job.sampling.stop_token_ids)
-        return self.stream.on_token(job.job_id)
+        return self.stream.begin(job.job_id, begun.attempt, followed=begun.followed, stop=job.sampling.stop,
+                                 stop_token_ids=job.sampling.stop_token_ids)
 
     def _end_stream(self, job_id: str, status: JobState, **fields) -> None:
         if self.stream is not None:

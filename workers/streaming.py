@@ -1,8 +1,8 @@
 """Publishes each running job's new text to its Redis Stream (kvfleet/streams.py).
 
 One thread per worker process. The engine's step thread only appends each new token to
-its run's list (`on_token` is that list's `append`: O(1), never blocks, never touches
-Redis, wakes nobody); every FLUSH_S, while some run is streamed, this thread takes each
+its run's list (the callback `begin` returns is that list's `append`: O(1), never
+blocks, never touches Redis, wakes nobody); every FLUSH_S, while some run is streamed, this thread takes each
 streamed run's new tokens from its list, turns them into text (workers/detokenizer.py)
 and writes one delta per job, for every job in one pipelined round trip. A slow or failing Redis
 delays the stream, never the engine: errors are logged and the batch is dropped (the
@@ -70,7 +70,7 @@ class _Begin:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     loud: bool  # followed when it began: write its stream from its start
-    sink: list[int]  # the run's tokens, appended by the step thread (`on_token`)
+    sink: list[int]  # the run's tokens, appended by the step thread
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,11 @@ class StreamPublisher:
         self.every_run = every_run
         self._queue: "queue.SimpleQueue[Optional[_Item]]" = queue.SimpleQueue()  # unbounded: put never blocks
         self._runs: dict[str, _Run] = {}  # only this thread touches it
-        # Shared with the runners' threads: which runs are loud, which quiet runs have
-        # ended (never to turn loud), and each begun run's token list (for `on_token`).
-        # Touched only under the lock.
+        # Shared with the runners' threads: which runs are loud, and which quiet runs
+        # have ended (never to turn loud). Touched only under the lock.
         self._lock = threading.Lock()
         self._loud: set[str] = set()
         self._quiet_ended: set[str] = set()
-        self._sinks: dict[str, list[int]] = {}
         self._next_poll = 0.0  # monotonic time of the next check for followers
         self._ended = threading.Event()  # a streamed run's end was queued: flush without waiting out flush_s
         self._thread = threading.Thread(target=self._loop, name="stream-publisher", daemon=True)
@@ -148,22 +146,18 @@ class StreamPublisher:
     # --- the runner's thread ------------------------------------------------------------
 
     def begin(self, job_id: str, attempt: int, *, followed: bool = True, stop: Sequence[str] = (),
-              stop_token_ids: Sequence[int] = ()) -> None:
+              stop_token_ids: Sequence[int] = ()) -> Callable[[int], None]:
         """A run of the job starts; `attempt` is the job hash's count. Followed (or with
-        `every_run`): its `start` event now; else quiet until a follower shows up."""
+        `every_run`): its `start` event now; else quiet until a follower shows up.
+        Returns the engine's per-token callback for the run (called on the step thread):
+        the append of the run's token list, and nothing else."""
         loud = followed or self.every_run
-        sink: list[int] = []
-        with self._lock:
-            if loud:
+        if loud:
+            with self._lock:
                 self._loud.add(job_id)
-            self._sinks[job_id] = sink
+        sink: list[int] = []
         self._queue.put(_Begin(job_id, attempt, tuple(stop), tuple(stop_token_ids), loud, sink))
-
-    def on_token(self, job_id: str) -> Callable[[int], None]:
-        """The engine's per-token callback for the job's run (called on the step thread),
-        after `begin`: the append of the run's token list, and nothing else."""
-        with self._lock:
-            return self._sinks[job_id].append
+        return sink.append
 
     def end(self, job_id: str, status: JobState, *, text: Optional[str] = None, finish_reason: Optional[str] = None,
             usage: Optional[Usage] = None, error: Optional[JobError] = None, wait: bool = True) -> bool:
@@ -174,7 +168,6 @@ class StreamPublisher:
         with self._lock:
             loud = job_id in self._loud
             self._loud.discard(job_id)
-            self._sinks.pop(job_id, None)
             if not loud:
                 self._quiet_ended.add(job_id)
         written = threading.Event()
