@@ -13,10 +13,17 @@ class Recording(redis.Redis):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.trips: list[list[str]] = []
+        self.sent_args: list[list[tuple]] = []  # each trip's commands with their arguments
 
     @property
     def round_trips(self) -> int:
         return len(self.trips)
+
+    def last_trip_with(self, arg) -> int:
+        """The index of the last round trip that carried `arg` (a key) in any command; -1 if none."""
+        wanted = {arg, arg.encode() if isinstance(arg, str) else arg}
+        return max((i for i, trip in enumerate(self.sent_args)
+                    if any(a in wanted for c in trip for a in c if isinstance(a, (str, bytes)))), default=-1)
 
     @property
     def sent(self) -> list[str]:
@@ -25,6 +32,7 @@ class Recording(redis.Redis):
 
     def execute_command(self, *args, **options):
         self.trips.append([str(args[0]).upper()])
+        self.sent_args.append([args])
         return super().execute_command(*args, **options)
 
     def pipeline(self, transaction: bool = True, shard_hint=None):
@@ -34,6 +42,7 @@ class Recording(redis.Redis):
         def recorded(*args, **kwargs):
             if pipe.command_stack:
                 self.trips.append([str(command[0][0]).upper() for command in pipe.command_stack])
+                self.sent_args.append([command[0] for command in pipe.command_stack])
             return execute(*args, **kwargs)
 
         pipe.execute = recorded

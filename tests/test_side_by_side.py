@@ -9,6 +9,7 @@ is the one Celery runs, called directly."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -213,6 +214,36 @@ def test_the_flights_of_start_many_meet_those_of_ensure_prefix(cache_redis_url, 
         _close(a)
 
 
+def test_a_one_job_message_writes_its_result_before_its_flight_ends(cache_redis_url, redis_url, prefix):
+    # `run_job` takes the several-job path: the result a client waits for is written
+    # first, then the prefix flight (claimed for its unique prompt) ends; `JobRunner.run`
+    # ended the flight first, a round trip before the result.
+    state = Recording.from_url(redis_url)
+    pair = sharing, tier = _sharing(cache_redis_url, state, prefix)
+    try:
+        store = JobStore(state, Keys(prefix))
+        runner = JobRunner(store, state, sharing, sharing.engine.loaded.tokenizer, worker_id="w", lease_s=5.0)
+        app = Celery("one-job")
+        register(app, runner, threads=8)
+        prompt = _prompt(41)
+        job = JobRequest(job_id=f"one-{time.monotonic_ns()}", tenant="acme", priority=Priority.NORMAL,
+                         model="builtin:tiny", prompt_tokens=prompt, max_new_tokens=1, submitted_at=time.time(),
+                         sampling=Sampling(temperature=0.0))
+        store.create(job)
+        assert store.admit_many([Admit(job.job_id, 64, job.tenant, job.priority)], capacity=10**9, lease_s=600,
+                                now=time.time(), by="test")[0].reserved
+        assert app.tasks[constants.CELERY_TASK_NAME].run(to_builtins(job)) == "done"
+        lock = tier._prefix_lock(sharing.engine.block_manager.prefix_hashes(prompt), 0)
+        # Read before any call of the test's own: the job's last trip is its finish.
+        flight_ended, result_written = state.last_trip_with(lock), state.last_trip_with(store.keys.job(job.job_id))
+        assert flight_ended >= 0 and result_written >= 0, "the job claimed a flight and wrote its result"
+        assert result_written < flight_ended, state.sent_args
+        assert store.state(job.job_id) == JobState.DONE
+        assert not state.exists(lock) and not state.exists(store.keys.run_lease(job.job_id))
+    finally:
+        _close(pair)
+
+
 # --- the order of a report's work (logic only: a recording generator and runner) ----
 class _Ended:
     """A request that ended before its report was read, as a 1-token job does in the
@@ -260,3 +291,45 @@ def test_a_report_settles_its_ended_jobs_before_it_ends_their_builds(fail):
     ended = run_side_by_side(recording, [Started(job, _Lease(), None, {}, [1, 2, 3], None, None)])
     assert recording.calls == ["settle_many", "end_builds"]
     assert isinstance(ended[0], redis.ConnectionError) if fail else ended[0] == Outcome("done", "j")
+
+
+class _EndsLate:
+    """A request whose end comes just after the task thread read its first token's
+    report on its own: its done callback runs when the thread next finds the queue empty."""
+
+    def __init__(self) -> None:
+        self.callbacks = []
+
+    def add_done_callback(self, fn) -> None:
+        self.callbacks.append(fn)
+
+    def result(self, timeout=None):
+        return "completion"
+
+
+@pytest.mark.parametrize("max_new_tokens, calls", [(1, ["settle_many", "end_builds"]),
+                                                   (2, ["end_builds", "settle_many"])])
+def test_a_one_token_jobs_build_ends_after_its_result_even_when_its_end_is_reported_apart(
+        monkeypatch, max_new_tokens, calls):
+    # The step thread reports a build's first token, then (same step, for a 1-token job)
+    # its end; the task thread may wake between the two. A 1-token job's build still ends
+    # after its result; a longer job's build ends at its first token, as it should.
+    handle = _EndsLate()
+
+    class Queue(queue.SimpleQueue):
+        def get_nowait(self):
+            if self.empty() and handle.callbacks:
+                callbacks, handle.callbacks = handle.callbacks, []
+                for fn in callbacks:  # the end arrives now, just after this read found nothing
+                    fn(handle)
+                raise queue.Empty
+            return super().get_nowait()
+
+    monkeypatch.setattr("workers.batch.queue.SimpleQueue", Queue)
+    recording = _Recording(False)
+    recording.start_many = lambda requests, computed: (computed(0), [Running(handle, build=("b", lambda: None))])[1]
+    job = JobRequest(job_id="j", tenant="acme", priority=Priority.NORMAL, model="builtin:tiny",
+                     prompt="p", max_new_tokens=max_new_tokens, submitted_at=0.0)
+    ended = run_side_by_side(recording, [Started(job, _Lease(), None, {}, [1, 2, 3], None, None)])
+    assert recording.calls == calls
+    assert ended[0] == Outcome("done", "j")

@@ -69,11 +69,16 @@ def run_side_by_side(runner: JobRunner, starts: Sequence[Started]) -> list[Optio
             except queue.Empty:
                 break
         builds = []
-        for _, i in reported:
+        for kind, i in reported:
             build = running[i].build
-            if build is not None and i not in builds_ended:
-                builds_ended.add(i)
-                builds.append(build)
+            if build is None or i in builds_ended:
+                continue
+            if kind == "computed" and starts[i].job.max_new_tokens == 1:
+                # Its end follows in the same step: its build ends with its "done", after
+                # its result, not a round trip before it (the thread may wake in between).
+                continue
+            builds_ended.add(i)
+            builds.append(build)
         done = [i for kind, i in reported if kind == "done"]
         try:
             # The jobs that ended first: their results are what clients wait for, and a

@@ -1,14 +1,16 @@
 """The Celery tasks: run the jobs of one message through this process's engine.
 
 Two task names, one per message shape (scheduler/dispatch.py `pack`): `run_job` carries
-one job, as every scheduler has sent it; `run_jobs` carries several. Their runs begin
-in one round trip (`JobRunner.begin_all`), and then the task thread runs them side by
-side itself (workers/batch.py): their prefix step together, each submitted to the
-engine without waiting, one wait for all, and the results of jobs that end together
-written in one round trip. A job whose run must block (the result cache, a cold load, a
-prefix flight another worker holds, a copy running elsewhere) goes to a per-process
-pool thread instead, as every job of a message did before issue 16: a thread per job
-cost short jobs more than the engine did. The runner (built once per process by
+one job, as every scheduler has sent it; `run_jobs` carries several. Both take one
+path: the message's runs begin in one round trip (`JobRunner.begin_all`), and then the
+task thread runs them side by side itself (workers/batch.py): their prefix step
+together, each submitted to the engine without waiting, one wait for all, and the
+results of jobs that end together written in one round trip, before their prefix
+flights end. A job whose run must block (the result cache, a cold load, a prefix flight
+another worker holds, a copy running elsewhere) goes to a per-process pool thread
+instead, as every job of a message did before issue 16 (a thread per job cost short
+jobs more than the engine did); the one job of a one-job message stays on its task
+thread. The runner (built once per process by
 `workers.service`) owns the engine, the job store and the lease logic, and makes every
 job of a message exactly-once on its own.
 
@@ -61,20 +63,18 @@ def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[Job
         TASKS.labels(outcome.label).inc()
         return outcome.label
 
-    @app.task(name=constants.CELERY_TASK_NAME, acks_late=True, ignore_result=True)
+    @app.task(name=constants.CELERY_TASK_NAME, acks_late=True, ignore_result=True, shared=False)
     def run_job(raw: dict) -> str:
+        # A message of one job takes a several-job message's path (`run_all`): its
+        # result is written before its prefix flight ends (workers/batch.py), where
+        # `JobRunner.run` ends the flight first, a round trip before the result.
         held = gate.hold([raw])
         try:
-            return run_one(raw, time.time())
-        except HandBack as exc:
-            # The worker drains (workers/drain.py), or an engine fault ended the run: the
-            # broker puts the message back on its queue now, for another worker (or
-            # another run here), instead of after the visibility timeout.
-            raise Reject(str(exc), requeue=True) from None
+            return run_all([raw])[0]
         finally:
             gate.release(held)
 
-    @app.task(name=constants.CELERY_JOBS_TASK_NAME, acks_late=True, ignore_result=True)
+    @app.task(name=constants.CELERY_JOBS_TASK_NAME, acks_late=True, ignore_result=True, shared=False)
     def run_jobs(raws: list[dict]) -> list[str]:
         if not raws:
             return []
@@ -106,6 +106,19 @@ def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[Job
 
     def run_all(raws: list[dict]) -> list[str]:
         delivered_at = time.time()
+
+        def on_a_thread(fn, *args) -> Future[str]:
+            """A job whose run blocks, on a pool thread of its own; a one-job message's
+            on its task thread, where nothing else waits (no hand-off each way)."""
+            if len(raws) > 1:
+                return pool.submit(fn, *args)
+            ran: Future[str] = Future()
+            try:
+                ran.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - decided below, as a pool thread's would be
+                ran.set_exception(exc)
+            return ran
+
         claims = runner.begin_all(raws)  # one round trip for every job's `begin`
         outcomes: list[str | BaseException | None] = [None] * len(raws)
         threads: list[tuple[int, Future[str]]] = []
@@ -113,7 +126,7 @@ def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[Job
         try:
             for i, (raw, claim) in enumerate(zip(raws, claims)):
                 if claim is None:  # its own `run` claims it, and may wait for another copy
-                    threads.append((i, pool.submit(run_one, raw, delivered_at)))
+                    threads.append((i, on_a_thread(run_one, raw, delivered_at)))
                 else:
                     begun.append((i, claim))
         except RuntimeError:
@@ -151,7 +164,7 @@ def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[Job
                     TASKS.labels("faulted" if isinstance(e, FaultedRun) else "handed_back").inc()
         for i, started in left:
             try:
-                threads.append((i, pool.submit(run_started, started)))
+                threads.append((i, on_a_thread(run_started, started)))
             except RuntimeError:  # the pool is shut down: run it here
                 outcomes[i] = capture(run_started, started)
         for i, future in threads:
