@@ -6,7 +6,8 @@ how fast jobs go through the fleet, against the same jobs on one engine.
 
 The job path (`--part jobs`) is bench/fleet_jobs.py's docstring: 1-token and 128-token
 jobs (and 8, 32 in a full run) produced to Kafka, fleet jobs/s over one engine's with
-the same cores (`short_jobs_fleet_over_engine`, target >= 0.5;
+the same cores, run alone before the fleet starts and again after it stops, the mean
+of the two (`short_jobs_fleet_over_engine`, target >= 0.5;
 `long_jobs_fleet_over_engine` in tokens/s, target >= 0.9), and `overhead_p50_ms`, one
 1-token job's client round trip on the idle fleet minus the engine's time (target <= 10),
 and the median of every hop of a job (queued, admitted, sent, delivered, begun, in the
@@ -372,11 +373,21 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
     long_n = 300 if args.quick else 500  # quick: 300, not 100: a run of a few seconds on 2 cores is noisy
     lengths = (1, 128) if args.quick else OUTPUT_LENGTHS
     counts = {n: short_n if n == 1 else long_n if n == 128 else max(long_n, short_n // n) for n in lengths}
-    engine = {}
-    for n in lengths:  # before the fleet starts: nothing else runs on the machine
-        engine[n] = fleet_jobs.engine_alone("builtin:tiny", fleet_jobs.prompts(counts[n], seed=n), n)
-        print(f"[bench] engine alone, {counts[n]} jobs of {n} tokens: {engine[n]['jobs_per_s']:.0f} jobs/s "
-              f"{engine[n]['tokens_per_s']:.0f} tokens/s (best with {engine[n]['torch_threads']} torch threads)", flush=True)
+    # The engine runs alone before the fleet starts and again after it stopped (nothing
+    # else on the machine either time), and the ratios use the mean of the two: this
+    # machine's own speed drifts by tens of percent over a few minutes, and one baseline
+    # taken at one end would put that drift into the ratio.
+    engine_runs: dict[int, list[dict]] = {n: [] for n in lengths}
+
+    def engine_alone(when: str) -> None:
+        for n in lengths:
+            run = fleet_jobs.engine_alone("builtin:tiny", fleet_jobs.prompts(counts[n], seed=n), n)
+            engine_runs[n].append({**run, "when": when})
+            print(f"[bench] engine alone ({when} the fleet), {counts[n]} jobs of {n} tokens: {run['jobs_per_s']:.0f} "
+                  f"jobs/s {run['tokens_per_s']:.0f} tokens/s (best with {run['torch_threads']} torch threads)",
+                  flush=True)
+
+    engine_alone("before")
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-jobs-"))
     prefix = f"bj{uuid.uuid4().hex[:8]}"
     env = {"KVFLEET_TENANTS": json.dumps(TENANTS), "KVFLEET_MAX_BACKLOG_HIGH": NO_BACKLOG_BOUND,
@@ -415,6 +426,8 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         fleet.stop()
         cleanup(fleet, infra["redis-state"], infra["kafka"], topics)
     shutil.rmtree(log_dir, ignore_errors=True)
+    engine_alone("after")
+    engine = {n: bracketed(engine_runs[n]) for n in lengths}
     by_length = [{"max_new_tokens": n, "jobs": counts[n], "fleet": fleet_runs[n], "engine": engine[n],
                   "jobs_fleet_over_engine": fleet_runs[n]["jobs_per_s"] / engine[n]["jobs_per_s"],
                   "tokens_fleet_over_engine": fleet_runs[n]["tokens_per_s"] / engine[n]["tokens_per_s"]}
@@ -424,6 +437,15 @@ def job_path(args: argparse.Namespace, infra: dict[str, str]) -> dict:
             "short_jobs_fleet_over_engine": row[1]["jobs_fleet_over_engine"],
             "long_jobs_fleet_over_engine": row[128]["tokens_fleet_over_engine"],
             "overhead_p50_ms": over["overhead_p50_ms"], "load_avg_1m_end": os.getloadavg()[0]}
+
+
+def bracketed(runs: list[dict]) -> dict:
+    """One engine baseline from its runs before and after the fleet: their mean rates,
+    and how far apart they were (the machine's drift over the fleet's run)."""
+    jobs_per_s = [r["jobs_per_s"] for r in runs]
+    tokens_per_s = [r["tokens_per_s"] for r in runs]
+    return {"jobs_per_s": statistics.fmean(jobs_per_s), "tokens_per_s": statistics.fmean(tokens_per_s),
+            "spread": (max(tokens_per_s) - min(tokens_per_s)) / statistics.fmean(tokens_per_s), "runs": runs}
 
 
 def _up(url: str) -> bool:
@@ -442,13 +464,15 @@ def print_table(report: dict) -> None:
 
 def print_job_path(jobs: dict) -> None:
     print(f"\n{'job path: ' + str(jobs['workers']) + ' workers':24} {'jobs':>6} {'fleet jobs/s':>13} "
-          f"{'engine jobs/s':>14} {'fleet tok/s':>12} {'engine tok/s':>13} {'fleet/engine':>13}")
+          f"{'engine jobs/s':>14} {'fleet tok/s':>12} {'engine tok/s':>13} {'fleet/engine':>13} "
+          f"{'engine drift':>13}")
     for r in jobs["by_output_length"]:
         n = r["max_new_tokens"]
         ratio = r["jobs_fleet_over_engine"] if n == 1 else r["tokens_fleet_over_engine"]
         print(f"{str(n) + '-token jobs':24} {r['jobs']:6d} {r['fleet']['jobs_per_s']:13.0f} "
               f"{r['engine']['jobs_per_s']:14.0f} {r['fleet']['tokens_per_s']:12.0f} "
-              f"{r['engine']['tokens_per_s']:13.0f} {ratio:13.2f}")
+              f"{r['engine']['tokens_per_s']:13.0f} {ratio:13.2f} {r['engine'].get('spread', 0):13.0%}")
+    print("(engine: the mean of its runs before and after the fleet's; drift: how far apart those two were)")
     print(f"short (1-token) fleet/engine {jobs['short_jobs_fleet_over_engine']:.2f} (target >= 0.5); long "
           f"(128-token, tokens/s) {jobs['long_jobs_fleet_over_engine']:.2f} (target >= 0.9)")
     for r in jobs["by_output_length"]:
