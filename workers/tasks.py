@@ -107,26 +107,23 @@ def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[Job
     def run_all(raws: list[dict]) -> list[str]:
         delivered_at = time.time()
 
-        def on_a_thread(fn, *args) -> Future[str]:
-            """A job whose run blocks, on a pool thread of its own; a one-job message's
-            on its task thread, where nothing else waits (no hand-off each way)."""
-            if len(raws) > 1:
-                return pool.submit(fn, *args)
-            ran: Future[str] = Future()
-            try:
-                ran.set_result(fn(*args))
-            except Exception as exc:  # noqa: BLE001 - decided below, as a pool thread's would be
-                ran.set_exception(exc)
-            return ran
-
         claims = runner.begin_all(raws)  # one round trip for every job's `begin`
         outcomes: list[str | BaseException | None] = [None] * len(raws)
         threads: list[tuple[int, Future[str]]] = []
+
+        def on_a_thread(i: int, fn, *args) -> None:
+            """Job i, whose run blocks: on a pool thread of its own; a one-job message's
+            on its task thread, where nothing else waits (no hand-off each way)."""
+            if len(raws) > 1:
+                threads.append((i, pool.submit(fn, *args)))
+            else:
+                outcomes[i] = capture(fn, *args)
+
         begun: list[tuple[int, Claim]] = []
         try:
             for i, (raw, claim) in enumerate(zip(raws, claims)):
                 if claim is None:  # its own `run` claims it, and may wait for another copy
-                    threads.append((i, on_a_thread(run_one, raw, delivered_at)))
+                    on_a_thread(i, run_one, raw, delivered_at)
                 else:
                     begun.append((i, claim))
         except RuntimeError:
@@ -164,7 +161,7 @@ def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[Job
                     TASKS.labels("faulted" if isinstance(e, FaultedRun) else "handed_back").inc()
         for i, started in left:
             try:
-                threads.append((i, on_a_thread(run_started, started)))
+                on_a_thread(i, run_started, started)
             except RuntimeError:  # the pool is shut down: run it here
                 outcomes[i] = capture(run_started, started)
         for i, future in threads:
