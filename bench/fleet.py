@@ -21,8 +21,9 @@ jobs from `wrk`: `POST /v1/jobs` with a 32-character text prompt and max_new_tok
 an API key, a tenant whose quota is charged and never runs out. The API runs
 `--api-workers` processes (`KVFLEET_API_WORKERS`; default 1, the API's own default), and
 the fleet processes the jobs meanwhile. In the same run the same `wrk` drives `bench/minimal_api.py`, the least an
-endpoint can do to take a job (one kafka-python produce with acks=all awaited through
-the event loop, one Redis hash write, in one uvicorn process), on the same Kafka and
+endpoint can do to take a job (one produce with acks=all on the API's own librdkafka
+producer, awaited through the event loop, one Redis hash write, in one uvicorn process),
+on the same Kafka and
 Redis, while the fleet goes on working through the API's jobs.
 
 The load generator is wrk (C, the Debian package; installed here when missing, never

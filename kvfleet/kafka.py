@@ -1,8 +1,9 @@
 """Kafka clients configured the one way kvfleet uses them, and topic creation.
 
-Producers: `acks=all` with retries and idempotence, so a produce that returns has been
-written by every in-sync replica and a retried send does not duplicate. Consumers:
-manual commits only (offsets move after admission is durable, never before).
+Producers (kafka-python's, and librdkafka's for the API's submissions): `acks=all` with
+retries and idempotence, so a produce that returns has been written by every in-sync
+replica and a retried send does not duplicate. Consumers: manual commits only (offsets
+move after admission is durable, never before).
 """
 
 from __future__ import annotations
@@ -48,6 +49,39 @@ def make_producer(kafka: KafkaSettings, *, client_id: str, linger_ms: int = 0) -
         request_timeout_ms=10_000,
         max_block_ms=10_000,  # fail fast (503) instead of hanging a request when Kafka is down
     )
+
+
+#: How long librdkafka may try to deliver a submission, ms: as long as the API waits for
+#: its acknowledgement (producer/publisher.py), so a job the client was told was not
+#: queued is not queued later by a retry nobody waits on any more.
+SUBMIT_DELIVERY_TIMEOUT_MS = 10_000
+
+
+def make_submit_producer(kafka: KafkaSettings, *, client_id: str, logger: logging.Logger,
+                         **overrides) -> "confluent_kafka.Producer":
+    """The API's producer: librdkafka (confluent-kafka), whose produce is acknowledged in
+    about half the time of kafka-python's on the same broker (1.7 against 3.3 ms p50,
+    issue 16) and costs the event loop a C call, not Python batching. The same
+    guarantees as `make_producer`: acks=all, idempotence, no linger. The partitioner is
+    Java's (murmur2 of the key), as kafka-python's is, so a tenant's jobs go to the same
+    partition whichever client queued them. `overrides`: librdkafka options, for tests."""
+    import confluent_kafka  # the other services never load it
+
+    return confluent_kafka.Producer({
+        **kafka.rdkafka_options,
+        "client.id": client_id,
+        "acks": "all",
+        "enable.idempotence": True,
+        "linger.ms": 0,  # each caller waits on its record; what arrives meanwhile is batched anyway
+        "partitioner": "murmur2_random",
+        "message.timeout.ms": SUBMIT_DELIVERY_TIMEOUT_MS,
+        "request.timeout.ms": SUBMIT_DELIVERY_TIMEOUT_MS,
+        # As RECONNECT: a broker back from a restart is found within a second.
+        "reconnect.backoff.ms": 50,
+        "reconnect.backoff.max.ms": 1000,
+        "logger": logger,  # librdkafka's lines go to kvfleet's JSON logs, served by poll()
+        **overrides,
+    })
 
 
 def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int,

@@ -124,7 +124,8 @@ class KafkaSettings:
 
     @property
     def client_options(self) -> dict:
-        """The connection options every kafka-python client of kvfleet takes."""
+        """The connection options every kafka-python client of kvfleet takes (`rdkafka_options`:
+        the API's librdkafka producer)."""
         options: dict = {"bootstrap_servers": self.bootstrap, "security_protocol": self.security_protocol}
         if self.security_protocol.startswith("SASL"):
             options.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
@@ -132,6 +133,20 @@ class KafkaSettings:
         if self.security_protocol.endswith("SSL"):
             options.update({k: v for k, v in (("ssl_cafile", self.ssl_cafile), ("ssl_certfile", self.ssl_certfile),
                                               ("ssl_keyfile", self.ssl_keyfile)) if v})
+        return options
+
+    @property
+    def rdkafka_options(self) -> dict:
+        """The same connection options in librdkafka's names, for the API's producer
+        (kvfleet/kafka.py, `make_submit_producer`)."""
+        options: dict = {"bootstrap.servers": self.bootstrap, "security.protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL"):
+            options.update({"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
+                            "sasl.password": self.sasl_password})
+        if self.security_protocol.endswith("SSL"):
+            options.update({k: v for k, v in (("ssl.ca.location", self.ssl_cafile),
+                                              ("ssl.certificate.location", self.ssl_certfile),
+                                              ("ssl.key.location", self.ssl_keyfile)) if v})
         return options
 
     @property

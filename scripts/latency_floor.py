@@ -9,8 +9,10 @@ the local infra (`python -m kvfleet.cli infra up`):
 
     python scripts/latency_floor.py
 
-It prints the median and p90 of: a produce with acks=all until acknowledged; the same
-produce until a consumer polling the topic has it; a Redis PING. The overhead cannot go
+It prints the median and p90 of: a produce with acks=all until acknowledged (kafka-python,
+the scheduler's and workers' client); the same produce until a consumer polling the topic
+has it; the API's produce (librdkafka, `make_submit_producer`) until acknowledged; a Redis
+PING. The overhead cannot go
 below the Kafka line plus a few Redis round trips and the process wake-ups between them.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import statistics
 import sys
 import threading
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis  # noqa: E402
 from kafka.admin import NewTopic  # noqa: E402
 
-from kvfleet.kafka import make_admin, make_consumer, make_producer  # noqa: E402
+from kvfleet.kafka import make_admin, make_consumer, make_producer, make_submit_producer  # noqa: E402
 from kvfleet.settings import Settings  # noqa: E402
 
 
@@ -72,6 +75,26 @@ def main() -> None:
             acked.append(1000 * (time.time() - began))
             time.sleep(args.pause_ms / 1000)
         reader.join(timeout=30)
+        # The API's producer (librdkafka), the same produce, its report served by a poll thread.
+        fast = make_submit_producer(kafka, client_id="latency-floor", logger=logging.getLogger("rdkafka"))
+        stop = threading.Event()
+
+        def serve() -> None:
+            while not stop.is_set():
+                fast.poll(0.1)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        api_acked = []
+        for _ in range(total):
+            reported = threading.Event()
+            began = time.time()
+            fast.produce(topic, str(began).encode(), on_delivery=lambda error, message: reported.set())
+            reported.wait(10)
+            api_acked.append(1000 * (time.time() - began))
+            time.sleep(args.pause_ms / 1000)
+        stop.set()
+        server.join()
         client = redis.Redis.from_url(settings.redis.url)
         pings = []
         for _ in range(total):
@@ -81,6 +104,7 @@ def main() -> None:
             time.sleep(args.pause_ms / 1000)
         print(f"kafka produce, acks=all, until acknowledged:  {summary(acked[warm_up:])}")
         print(f"kafka produce until a polling consumer has it: {summary(consumed[warm_up:])}")
+        print(f"the API's produce (librdkafka), acknowledged:  {summary(api_acked[warm_up:])}")
         print(f"redis PING (state instance):                   {summary(pings[warm_up:])}")
         producer.close()
         consumer.close()

@@ -1,119 +1,169 @@
-"""The produce of a submission (producer/publisher.py) holds no thread while Kafka
-acknowledges it, and every way Kafka can refuse it is a 503 that queued nothing:
-an error, no acknowledgement in time, a producer that cannot be made. A fake producer
-stands in for kafka-python, so each outcome is exact; tests/test_api_retry.py does the
-same through the real fleet with an unreachable Kafka."""
+"""The produce of a submission (producer/publisher.py), against the real broker: it holds
+no thread while Kafka acknowledges it, it lands in the partition kafka-python would have
+chosen for the same tenant, and every way Kafka can refuse it is a 503 that queued
+nothing: a record the broker rejects, no acknowledgement in time, a full queue.
+tests/test_api_retry.py does the same through the whole fleet with an unreachable Kafka."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Optional
 
 import msgspec
 import pytest
-from kafka.errors import KafkaConnectionError, KafkaTimeoutError
-from kafka.future import Future
-from kafka.producer.future import RecordMetadata
+from kafka import KafkaConsumer, TopicPartition
+from kafka.admin import NewTopic
 
+from kvfleet import constants
 from kvfleet.contracts import JobRequest, Priority, decode_request
+from kvfleet.kafka import ensure_topics, make_admin, make_producer
 from kvfleet.settings import KafkaSettings
 from producer.errors import QueueUnavailable
 from producer.publisher import Publisher
 
 JOB = JobRequest(job_id="job-1", tenant="acme", priority=Priority.HIGH, model="builtin:tiny", max_new_tokens=4,
                  submitted_at=1.0, prompt_tokens=[7, 8])
-TOPIC = "kvfleet.requests.high"
+UNREACHABLE = KafkaSettings(bootstrap="127.0.0.1:1")  # nothing listens on port 1
 
 
-class FakeMetadata:
-    def __init__(self, known: bool) -> None:
-        self.known = known
-
-    def partitions_for_topic(self, topic: str) -> Optional[set]:
-        return {0} if self.known else None
-
-
-class FakeProducer:
-    """kafka-python's send: a future, settled later on another thread (as its sender
-    thread does), or never."""
-
-    def __init__(self, *, known: bool = True, outcome: object = "ack", after_s: float = 0.01) -> None:
-        self._metadata = FakeMetadata(known)
-        self.outcome, self.after_s = outcome, after_s
-        self.sent: list[tuple[str, dict, str]] = []
-
-    def send(self, topic: str, **record) -> Future:
-        self.sent.append((topic, record, threading.current_thread().name))
-        future = Future()
-        if self.outcome == "ack":
-            meta = RecordMetadata(topic, 0, None, 41, 0, None, 0, 0, 0)
-            threading.Timer(self.after_s, future.success, [meta]).start()
-        elif isinstance(self.outcome, Exception):
-            threading.Timer(self.after_s, future.failure, [self.outcome]).start()
-        return future  # "never": no acknowledgement ever comes
-
-    def close(self, timeout: float = 0) -> None:
-        pass
+@pytest.fixture
+def kafka(kafka_bootstrap, prefix) -> KafkaSettings:
+    settings = KafkaSettings(bootstrap=kafka_bootstrap, topic_prefix=prefix)
+    ensure_topics(settings)
+    return settings
 
 
-def _publisher(producer: Optional[FakeProducer]) -> Publisher:
-    publisher = Publisher(KafkaSettings(bootstrap="127.0.0.1:1"))
-    publisher._producer = producer
-    return publisher
+@pytest.fixture
+def publisher(kafka):
+    publisher = Publisher(kafka)
+    yield publisher
+    publisher.close()
 
 
-def test_an_acknowledged_produce_returns_the_record_sent_from_the_event_loop():
-    producer = FakeProducer()
-
-    async def publish():
-        return await _publisher(producer).publish(JOB), threading.current_thread().name
-
-    value, loop_thread = asyncio.run(publish())
-    assert decode_request(value) == JOB
-    [(topic, record, sent_on)] = producer.sent
-    assert topic == TOPIC and record["key"] == b"acme" and record["value"] == value
-    assert dict(record["headers"]) == {"job_id": b"job-1", "v": b"1"}
-    assert sent_on == loop_thread  # metadata known: send only appends to a batch, on the loop
+@pytest.fixture
+def partitioning_topic(kafka) -> str:
+    """A topic with as many partitions as a request topic, for kafka-python's choices."""
+    topic = f"{kafka.topic_prefix}.partitioning"
+    admin = make_admin(kafka, client_id="test-admin")
+    admin.create_topics([NewTopic(topic, kafka.partitions, 1)])
+    admin.close()
+    return topic
 
 
-def test_without_the_topic_s_metadata_the_send_runs_on_a_worker_thread():
-    producer = FakeProducer(known=False)  # kafka-python's send would wait for metadata
+def _records(kafka: KafkaSettings, topic: str) -> list:
+    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=2000)
+    partitions = [TopicPartition(topic, p) for p in range(kafka.partitions)]
+    consumer.assign(partitions)
+    ends = consumer.end_offsets(partitions)
+    records = []
+    while sum(consumer.position(tp) for tp in partitions) < sum(ends.values()):
+        for batch in consumer.poll(timeout_ms=1000).values():
+            records.extend(batch)
+    consumer.close()
+    return records
 
-    async def publish():
-        await _publisher(producer).publish(JOB)
-        return threading.current_thread().name
 
-    loop_thread = asyncio.run(publish())
-    assert producer.sent[0][2] != loop_thread
-
-
-def test_many_produces_wait_together_without_a_thread_each():
-    producer = FakeProducer(after_s=0.2)
+def test_an_acknowledged_produce_lands_where_kafka_python_puts_the_same_tenant(kafka, publisher, partitioning_topic):
+    tenants = [f"tenant-{i}" for i in range(12)]  # enough keys to cross every partition
+    jobs = [msgspec.structs.replace(JOB, job_id=f"job-{t}", tenant=t) for t in tenants]
 
     async def publish_all():
-        publisher = _publisher(producer)
-        jobs = [msgspec.structs.replace(JOB, job_id=f"job-{i}") for i in range(200)]
         return await asyncio.gather(*(publisher.publish(job) for job in jobs))
 
-    assert len(asyncio.run(asyncio.wait_for(publish_all(), 5))) == 200  # 200 waits of 0.2 s at once
+    values = asyncio.run(publish_all())
+    assert [decode_request(v) for v in values] == jobs
+    topic = constants.request_topic(kafka.topic_prefix, Priority.HIGH)
+    by_job = {dict(r.headers)["job_id"].decode(): r for r in _records(kafka, topic)}
+    assert set(by_job) == {job.job_id for job in jobs}
+    reference = make_producer(kafka, client_id="test-reference")  # what kafka-python chooses for the key
+    try:
+        for job, value in zip(jobs, values):
+            record = by_job[job.job_id]
+            assert record.key == job.tenant.encode() and record.value == value
+            assert dict(record.headers) == {"job_id": job.job_id.encode(), "v": b"1"}
+            expected = reference.send(partitioning_topic, key=job.tenant.encode(), value=b"")
+            assert record.partition == expected.get(timeout=10).partition, job.tenant
+    finally:
+        reference.close()
+    assert len({r.partition for r in by_job.values()}) > 1  # the keys did spread
 
 
-@pytest.mark.parametrize("producer, reason", [
-    (FakeProducer(outcome=KafkaTimeoutError("Batch expired")), "Batch expired"),  # Kafka refused it
-    (FakeProducer(outcome="never"), "no acknowledgement"),  # no answer within the timeout
-])
-def test_a_produce_kafka_did_not_acknowledge_is_a_503(producer, reason):
-    with pytest.raises(QueueUnavailable) as refused:
-        asyncio.run(_publisher(producer).publish(JOB, timeout_s=0.3))
-    assert refused.value.status == 503 and reason in refused.value.message
+def test_many_produces_wait_together_without_a_thread_each(publisher):
+    jobs = [msgspec.structs.replace(JOB, job_id=f"job-{i}") for i in range(300)]
+    publisher.producer  # its reporting thread: one per process
+    threads_before = threading.active_count()
+    most = 0
+
+    async def publish_all():
+        nonlocal most
+        pending = [asyncio.ensure_future(publisher.publish(job)) for job in jobs]
+        while not all(p.done() for p in pending):
+            most = max(most, threading.active_count())
+            await asyncio.sleep(0)
+        return await asyncio.gather(*pending)
+
+    assert len(asyncio.run(asyncio.wait_for(publish_all(), 30))) == 300
+    assert most <= threads_before
+
+
+def test_a_record_the_broker_refuses_is_a_503_and_nothing_is_on_the_topic(kafka_bootstrap, prefix):
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap, topic_prefix=prefix)
+    topic = constants.request_topic(prefix, Priority.HIGH)
+    admin = make_admin(kafka, client_id="test-admin")
+    admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "256"})])
+    admin.close()
+    big = msgspec.structs.replace(JOB, prompt_tokens=[7] * 400)  # well over 256 bytes: the broker says no
+    publisher = Publisher(kafka)
+    try:
+        with pytest.raises(QueueUnavailable) as refused:
+            asyncio.run(publisher.publish(big))
+    finally:
+        publisher.close()
+    assert refused.value.status == 503 and "too large" in refused.value.message
     assert "nothing was queued" in refused.value.message and refused.value.extra == {"job_id": "job-1"}
+    assert _records(KafkaSettings(bootstrap=kafka_bootstrap, partitions=1), topic) == []
 
 
-def test_a_producer_that_cannot_be_made_is_a_503(monkeypatch):
-    def unreachable(*args, **kwargs):
-        raise KafkaConnectionError("no broker answered")
+def test_no_acknowledgement_in_time_is_a_503():
+    publisher = Publisher(UNREACHABLE)
+    try:
+        with pytest.raises(QueueUnavailable) as refused:
+            asyncio.run(publisher.publish(JOB, timeout_s=0.5))
+    finally:
+        publisher.close(timeout_s=0)
+    assert refused.value.status == 503 and "no acknowledgement from Kafka within 0.5 s" in refused.value.message
+    assert "retry later with the same job_id" in refused.value.message
 
-    monkeypatch.setattr("producer.publisher.make_producer", unreachable)
-    with pytest.raises(QueueUnavailable):
-        asyncio.run(_publisher(None).publish(JOB))
+
+def test_a_full_queue_is_a_503_at_once():
+    publisher = Publisher(UNREACHABLE, **{"queue.buffering.max.messages": 1})
+
+    async def two():
+        first = asyncio.ensure_future(publisher.publish(JOB, timeout_s=30))  # waits: nothing is reachable
+        await asyncio.sleep(0)
+        try:
+            with pytest.raises(QueueUnavailable) as refused:
+                await publisher.publish(msgspec.structs.replace(JOB, job_id="job-2"), timeout_s=30)
+            return refused.value
+        finally:
+            first.cancel()
+
+    try:
+        refused = asyncio.run(asyncio.wait_for(two(), 10))  # at once, not after its 30 s
+    finally:
+        publisher.close(timeout_s=0)
+    assert refused.status == 503 and "Queue full" in refused.message and refused.extra == {"job_id": "job-2"}
+
+
+def test_ready_is_whether_the_cluster_lists_every_request_topic(kafka_bootstrap, prefix):
+    missing = Publisher(KafkaSettings(bootstrap=kafka_bootstrap, topic_prefix=prefix))
+    unreachable = Publisher(UNREACHABLE)
+    try:
+        assert not missing.ready()  # the broker answers, but the topics are not there yet
+        ensure_topics(missing.kafka)
+        assert missing.ready()
+        assert not unreachable.ready(timeout_s=0.5)
+    finally:
+        missing.close()
+        unreachable.close(timeout_s=0)

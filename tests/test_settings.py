@@ -66,6 +66,21 @@ def test_kafka_security_reaches_every_client_option():
 
     for client in (KafkaProducer, KafkaConsumer, KafkaAdminClient):
         assert set(sasl) <= set(client.DEFAULT_CONFIG), (client, set(sasl) - set(client.DEFAULT_CONFIG))
+    # The API's librdkafka producer gets the same, in librdkafka's names; librdkafka
+    # refuses a name it does not know when the producer is made.
+    import confluent_kafka
+
+    rd = Settings.from_env({"KVFLEET_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "KVFLEET_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+                            "KVFLEET_KAFKA_SASL_USERNAME": "kvfleet", "KVFLEET_KAFKA_SASL_PASSWORD": "s3cret",
+                            "KVFLEET_KAFKA_SSL_CAFILE": "/etc/kafka/ca.pem", "KVFLEET_KAFKA_SSL_CERTFILE": "/etc/c.pem",
+                            "KVFLEET_KAFKA_SSL_KEYFILE": "/etc/k.pem"}).kafka.rdkafka_options
+    assert rd == {"bootstrap.servers": "127.0.0.1:19092", "security.protocol": "SASL_SSL",
+                  "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "kvfleet", "sasl.password": "s3cret",
+                  "ssl.ca.location": "/etc/kafka/ca.pem", "ssl.certificate.location": "/etc/c.pem",
+                  "ssl.key.location": "/etc/k.pem"}
+    confluent_kafka.Producer({k: v for k, v in rd.items() if not k.startswith("ssl.")})  # files that do not exist
+    with pytest.raises(confluent_kafka.KafkaException):
+        confluent_kafka.Producer({"bootstrap.servers": "x", "sasl.user": "typo"})
 
 
 def test_worker_threads_fill_the_engine_and_keep_the_high_reserve_free():
