@@ -21,10 +21,11 @@ jobs from `wrk`: `POST /v1/jobs` with a 32-character text prompt and max_new_tok
 an API key, a tenant whose quota is charged and never runs out. The API runs
 `--api-workers` processes (`KVFLEET_API_WORKERS`; default 1, the API's own default), and
 the fleet processes the jobs meanwhile. In the same run the same `wrk` drives `bench/minimal_api.py`, the least an
-endpoint can do to take a job (one produce with acks=all on the API's own librdkafka
-producer, awaited through the event loop, one Redis hash write, in one uvicorn process),
-on the same Kafka and
-Redis, while the fleet goes on working through the API's jobs.
+endpoint can do to take a job (one Redis hash write, one produce with acks=all on the
+API's own librdkafka producer, awaited through the event loop, in one uvicorn process).
+It queues the very job the API recorded for the same body, under a new id, to the same
+fleet, so the fleet runs both endpoints' jobs alike and each endpoint shares the two
+cores with a fleet at work (each round's `fleet_cpu_cores` says how much it used).
 
 The load generator is wrk (C, the Debian package; installed here when missing, never
 needed by the test suite): two threads that use a few percent of a core at these rates.
@@ -55,6 +56,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Optional
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,9 +64,10 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 import redis  # noqa: E402
-from kafka.admin import NewTopic  # noqa: E402
 
 import kvfleet.infra  # noqa: E402
+from kvfleet.constants import Keys, request_topic  # noqa: E402
+from kvfleet.contracts import decode_request  # noqa: E402
 from kvfleet.kafka import make_admin  # noqa: E402
 from kvfleet.settings import KafkaSettings  # noqa: E402
 from tests.fleet import Fleet, free_port, wait_for  # noqa: E402  (the integration tests' process launcher)
@@ -114,14 +117,20 @@ def cpu_seconds(pid: int) -> float:
     return fleet_jobs.cpu_seconds({"server": pid}).get("server", 0.0)
 
 
-def wrk(binary: str, script: Path, url: str, *, connections: int, seconds: float, pid: int) -> dict:
+def wrk(binary: str, script: Path, url: str, *, connections: int, seconds: float, pid: int,
+        fleet_pids: Optional[dict[str, int]] = None) -> dict:
     """One wrk run against the server `pid` (and its children); its figures: jobs
-    accepted per second, latency percentiles in ms, errors, the server's CPU per job."""
+    accepted per second, latency percentiles in ms, errors, the server's CPU per job, and
+    the cores the fleet's other processes (`fleet_pids`) used meanwhile: the two servers
+    share the machine with them, so a round is only comparable to the other server's if
+    the fleet worked as hard during both."""
     threads = min(2, connections)
+    fleet_before = sum(fleet_jobs.cpu_seconds(fleet_pids or {}).values())
     cpu_before = cpu_seconds(pid)
     out = subprocess.run([binary, f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "10s",
                           "-s", str(script), url], capture_output=True, text=True, check=True).stdout
     cpu = cpu_seconds(pid) - cpu_before
+    fleet_cpu = sum(fleet_jobs.cpu_seconds(fleet_pids or {}).values()) - fleet_before
     line = next(line for line in out.splitlines() if line.startswith("WRKJSON "))
     raw = json.loads(line[len("WRKJSON "):])
     seconds_run = raw["duration_us"] / 1e6
@@ -130,7 +139,7 @@ def wrk(binary: str, script: Path, url: str, *, connections: int, seconds: float
             "p50_ms": raw["p50_us"] / 1000, "p90_ms": raw["p90_us"] / 1000, "p99_ms": raw["p99_us"] / 1000,
             "max_ms": raw["max_us"] / 1000, "non_2xx": raw["status_errors"], "socket_errors": raw["socket_errors"],
             "server_cpu_ms_per_job": 1000 * cpu / max(ok, 1), "server_cpu_cores": cpu / seconds_run,
-            "load_avg_1m": os.getloadavg()[0]}
+            "fleet_cpu_cores": fleet_cpu / seconds_run, "load_avg_1m": os.getloadavg()[0]}
 
 
 def step_totals(fleet: Fleet) -> dict[str, tuple[float, float]]:
@@ -220,17 +229,26 @@ def accelerators() -> dict[str, bool]:
     return found
 
 
-def start_minimal(fleet: Fleet, infra: dict[str, str], topic: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
-    """The minimal endpoint on its own topic, answering; its process and URL."""
-    admin = make_admin(KafkaSettings(bootstrap=infra["kafka"]), client_id="bench-fleet")
+def api_job(fleet: Fleet, redis_url: str) -> bytes:
+    """The JobRequest the API recorded for one `BODY`: what the minimal endpoint queues."""
+    answer = httpx.post(f"{fleet.url}/v1/jobs", content=BODY, timeout=30,
+                        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    answer.raise_for_status()
+    client = redis.Redis.from_url(redis_url)
     try:
-        admin.create_topics([NewTopic(topic, 2, 1)])  # as many partitions as the fleet's topics
+        return client.hget(Keys(fleet.prefix).job(answer.json()["job_id"]), "request")
     finally:
-        admin.close()
+        client.close()
+
+
+def start_minimal(fleet: Fleet, infra: dict[str, str], log_dir: Path) -> tuple[subprocess.Popen, str]:
+    """The minimal endpoint, queuing the API's job to the same fleet, answering; its process and URL."""
+    job = api_job(fleet, infra["redis-state"])
+    topic = request_topic(fleet.env["KVFLEET_TOPIC_PREFIX"], decode_request(job).priority)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / "minimal_api.py"), "--port", str(port), "--kafka", infra["kafka"],
-         "--redis", infra["redis-state"], "--topic", topic, "--prefix", fleet.prefix],
+         "--redis", infra["redis-state"], "--topic", topic, "--prefix", fleet.prefix, "--job", job.decode()],
         cwd=ROOT, env=fleet.env, stdout=open(log_dir / "minimal.log", "ab"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _up(url), "the minimal endpoint to answer", 60)
@@ -279,8 +297,7 @@ def front_door(args: argparse.Namespace, infra: dict[str, str]) -> dict:
            "KVFLEET_MAX_BACKLOG_LOW": NO_BACKLOG_BOUND, "KVFLEET_FILES_DIR": str(log_dir / "files")}
     fleet = Fleet(prefix=prefix, kafka=infra["kafka"], redis_url=infra["redis-state"],
                   cache_redis_url=infra["redis-cache"], log_dir=log_dir, extra_env=env)
-    minimal_topic = f"{prefix}.minimal"
-    topics = [f"{prefix}.requests.{p}" for p in ("high", "normal", "low", "dlq", "results")] + [minimal_topic]
+    topics = [f"{prefix}.requests.{p}" for p in ("high", "normal", "low", "dlq", "results")]
     script = log_dir / "post.lua"
     script.write_text(WRK_LUA % {"body": BODY, "key": API_KEY})
     minimal = None
@@ -289,13 +306,14 @@ def front_door(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         for role in ("scheduler", "worker"):
             fleet.start(role)
         fleet.wait_ready(workers=1)
-        minimal, minimal_url = start_minimal(fleet, infra, minimal_topic, log_dir)
+        minimal, minimal_url = start_minimal(fleet, infra, log_dir)
         servers = {"api": (f"{fleet.url}/v1/jobs", fleet.procs[api_name].pid),
                    "minimal": (f"{minimal_url}/v1/jobs", minimal.pid)}
 
         def drive(name: str, connections: int, seconds_: float) -> dict:
             url, pid = servers[name]
-            return wrk(binary, script, url, connections=connections, seconds=seconds_, pid=pid)
+            return wrk(binary, script, url, connections=connections, seconds=seconds_, pid=pid,
+                       fleet_pids={n: p.pid for n, p in fleet.procs.items() if n != api_name})
 
         hops_idle = one_job_at_a_time(fleet, 10 if args.quick else 30)
         for name in servers:  # warm-up: connections, producer batches, code paths
@@ -308,7 +326,8 @@ def front_door(args: argparse.Namespace, infra: dict[str, str]) -> dict:
                 at64[name].append(run)
                 print(f"[bench] round {r + 1}/{rounds} {name:8} {run['ok_per_s']:7.0f} jobs/s  p50 "
                       f"{run['p50_ms']:6.1f} ms  p99 {run['p99_ms']:6.1f} ms  cpu {run['server_cpu_ms_per_job']:.2f} "
-                      f"ms/job  non-2xx {run['non_2xx']}  load {run['load_avg_1m']:.1f}", flush=True)
+                      f"ms/job  fleet {run['fleet_cpu_cores']:.2f} cores  non-2xx {run['non_2xx']}  load "
+                      f"{run['load_avg_1m']:.1f}", flush=True)
         steps = step_means(steps_before, step_totals(fleet))
         sweep: dict[str, list[dict]] = {"api": [], "minimal": []}
         for c in SWEEP:
@@ -346,6 +365,10 @@ def front_door(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         "minimal_submit_p50_ms_at_64": median_of(base, "p50_ms"),
         "minimal_submit_p99_ms_at_64": median_of(base, "p99_ms"),
         "minimal_cpu_ms_per_submit_at_64": median_of(base, "server_cpu_ms_per_job"),
+        # The cores the scheduler and worker used during each server's rounds: the fleet
+        # runs the API's jobs (a backlog it works through in the minimal rounds too).
+        "fleet_cpu_cores_in_api_rounds": median_of(api, "fleet_cpu_cores"),
+        "fleet_cpu_cores_in_minimal_rounds": median_of(base, "fleet_cpu_cores"),
         "api_non_2xx": sum(r["non_2xx"] for r in api), "api_socket_errors": sum(r["socket_errors"] for r in api),
         "targets": {"api_submits_vs_minimal": 0.7, "api_submit_p99_ms_at_64": 100},
         "api_submit_steps_mean_ms_at_64": steps,

@@ -44,17 +44,29 @@ from kvfleet.contracts import (
     encode,
 )
 
-_CREATE = """
-local cur = redis.call('HGET', KEYS[1], 'state')
-if cur then
-  return {0, cur, redis.call('HGET', KEYS[1], 'tenant')}
+#: `create(job_key, events_key, tenant, priority, request, queued_at, ttl, reply_to)`:
+#: record a new job as queued; an existing id changes nothing. Returns created (1|0),
+#: the state and the tenant. A Lua function, so the API's submit script
+#: (producer/records.py) records the job with this very code in its own call.
+CREATE_FN = """
+local function create(job_key, events_key, tenant, priority, request, queued_at, ttl, reply_to)
+  local cur = redis.call('HGET', job_key, 'state')
+  if cur then
+    return 0, cur, redis.call('HGET', job_key, 'tenant')
+  end
+  redis.call('HSET', job_key, 'state', 'queued', 'tenant', tenant, 'priority', priority,
+             'request', request, 'queued_at', queued_at, 'attempts', 0)
+  if reply_to ~= '' then redis.call('HSET', job_key, 'reply_to', reply_to) end
+  redis.call('EXPIRE', job_key, ttl)
+  redis.call('PUBLISH', events_key, 'queued')
+  return 1, 'queued', tenant
 end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'tenant', ARGV[1], 'priority', ARGV[2],
-           'request', ARGV[3], 'queued_at', ARGV[4], 'attempts', 0)
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'reply_to', ARGV[6]) end
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-redis.call('PUBLISH', KEYS[2], 'queued')
-return {1, 'queued', ARGV[1]}
+"""
+
+# KEYS: job, job events. ARGV: tenant, priority, request JSON, queued_at, ttl, reply_to ('' = none).
+_CREATE = CREATE_FN + """
+local created, state, tenant = create(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+return {created, state, tenant}
 """
 
 #: Every job's state in one call: KEYS are the job hashes; a missing job's state is nil.

@@ -21,26 +21,36 @@ from kvfleet.constants import Keys
 from kvfleet.lua import REDIS_NOW, now_arg
 from kvfleet.tenancy import Tenant
 
+#: `take(key, want, size, rate, now)`: take `want` tokens from the bucket at `key`, all
+#: or none; returns ok (1|0) and the seconds until the same take would succeed. A Lua
+#: function, so the API's submit script (producer/records.py) charges the quota with
+#: this very code in the same call that records the job.
+TAKE_FN = REDIS_NOW + """
+local function take(key, want, size, rate, now_arg)
+  local now = redis_now(now_arg)
+  local state = redis.call('HMGET', key, 'level', 'ts')
+  local level, ts = tonumber(state[1]), tonumber(state[2])
+  if not level then level, ts = size, now end
+  -- a caller whose clock is behind the last writer's must not drain the bucket backwards
+  level = math.min(size, level + math.max(0, now - ts) * rate)
+  ts = math.max(ts, now)
+  local ok = 0
+  local retry = (want - level) / rate
+  if want <= level then
+    level = level - want
+    ok, retry = 1, 0
+  end
+  redis.call('HSET', key, 'level', tostring(level), 'ts', tostring(ts))
+  -- an idle bucket refills completely after (size - level) / rate: keep it until then
+  redis.call('PEXPIRE', key, math.ceil((size - level) / rate * 1000) + 1000)
+  return ok, retry
+end
+"""
+
 # KEYS: bucket. ARGV: tokens, size, refill per second, now ('' = Redis time).
 # Returns {1|0, retry_after seconds as a string (Lua numbers would be cut to integers)}.
-_TAKE = REDIS_NOW + """
-local now = redis_now(ARGV[4])
-local want, size, rate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local state = redis.call('HMGET', KEYS[1], 'level', 'ts')
-local level, ts = tonumber(state[1]), tonumber(state[2])
-if not level then level, ts = size, now end
--- a caller whose clock is behind the last writer's must not drain the bucket backwards
-level = math.min(size, level + math.max(0, now - ts) * rate)
-ts = math.max(ts, now)
-local ok = 0
-local retry = (want - level) / rate
-if want <= level then
-  level = level - want
-  ok, retry = 1, 0
-end
-redis.call('HSET', KEYS[1], 'level', tostring(level), 'ts', tostring(ts))
--- an idle bucket refills completely after (size - level) / rate: keep it until then
-redis.call('PEXPIRE', KEYS[1], math.ceil((size - level) / rate * 1000) + 1000)
+_TAKE = TAKE_FN + """
+local ok, retry = take(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4])
 return {ok, tostring(retry)}
 """
 

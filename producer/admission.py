@@ -7,8 +7,9 @@
     429  the tenant is over its quota (Retry-After: the time to refill the deficit)
 
 The quota is charged last, so a refused job costs its tenant nothing. Only that charge
-goes to Redis (one Lua call, awaited on the event loop: `producer/records.py`); the load
-checks read `producer/pressure.py`'s background reading from memory. Overload is the
+goes to Redis, in the same Lua call that records the job (`producer/records.py`, awaited
+on the event loop by producer/submission.py); `check` does everything before it, from
+memory: the load checks read `producer/pressure.py`'s background reading. Overload is the
 budget nearly spent (ledger ≥ `overload_utilization` of capacity) *and* a backlog
 (≥ `overload_backlog` jobs waiting on Kafka): new bronze work would only wait to be
 shed, so it is turned away at once.
@@ -21,43 +22,45 @@ from typing import Optional
 
 from kvfleet.ceiling import over_ceiling
 from kvfleet.contracts import JobRequest, Priority
-from kvfleet.quota import Quotas
+from kvfleet.quota import Quotas, Take
 from kvfleet.settings import ApiSettings, PolicyConfig
 from kvfleet.tenancy import Tenant, Tier
 from producer.errors import MAX_RETRY_S, Refused
 from producer.pressure import Pressure
-from producer.records import Records
 
 
 class Gate:
-    def __init__(self, api: ApiSettings, policy: PolicyConfig, pressure: Pressure, quotas: Optional[Quotas],
-                 records: Records) -> None:
+    def __init__(self, api: ApiSettings, policy: PolicyConfig, pressure: Pressure, quotas: Optional[Quotas]) -> None:
         """`quotas` None: no tenants configured (development), so no quotas; otherwise
-        its buckets are charged through `records` (the same script, on the event loop)."""
+        their buckets are charged by the submit script (`producer/records.py`)."""
         self.api = api
         self.policy = policy
         self.pressure = pressure
         self.quotas = quotas
-        self.records = records
 
-    async def check(self, tenant: Tenant, job: JobRequest, *, output_field: str = "max_new_tokens") -> None:
-        """Raise `Refused` if the (tokenized) job must not be queued; otherwise charge its quota.
-        `output_field`: what the client called max_new_tokens, for the messages."""
+    def check(self, tenant: Tenant, job: JobRequest, *, output_field: str = "max_new_tokens") -> None:
+        """Raise `Refused` if the (tokenized) job must not be queued, from what is known
+        without Redis. `output_field`: what the client called max_new_tokens, for the messages."""
         assert job.prompt_tokens is not None, "the API tokenizes every job"
         too_many = over_ceiling(job.priority, len(job.prompt_tokens), job.max_new_tokens, self.policy,
                                 output_field=output_field)
         if too_many is not None:
             raise Refused(too_many, status=422, param=output_field, code="over_ceiling")
         self._check_load(tenant, job.priority)
-        if self.quotas is not None:
-            take = await self.records.take(tenant, job.cost)
-            if math.isinf(take.retry_after_s):
-                raise Refused(self._too_big(tenant, job, output_field), status=413, param=output_field,
-                              code="over_quota_bucket")
-            if not take.allowed:
-                raise Refused(f"tenant {tenant.name!r} is over its quota of {tenant.tokens_per_minute} tokens a "
-                              f"minute; retry after {math.ceil(take.retry_after_s)} s",
-                              status=429, retry_after_s=take.retry_after_s, code="rate_limit_exceeded")
+
+    def quota_of(self, tenant: Tenant) -> Optional[Tenant]:
+        """The tenant whose bucket a submission charges; None without quotas."""
+        return tenant if self.quotas is not None else None
+
+    def over_quota(self, tenant: Tenant, job: JobRequest, take: Take, *, output_field: str = "max_new_tokens",
+                   ) -> Refused:
+        """The refusal for a take the tenant's bucket did not allow."""
+        if math.isinf(take.retry_after_s):
+            return Refused(self._too_big(tenant, job, output_field), status=413, param=output_field,
+                           code="over_quota_bucket")
+        return Refused(f"tenant {tenant.name!r} is over its quota of {tenant.tokens_per_minute} tokens a "
+                       f"minute; retry after {math.ceil(take.retry_after_s)} s",
+                       status=429, retry_after_s=take.retry_after_s, code="rate_limit_exceeded")
 
     @staticmethod
     def _too_big(tenant: Tenant, job: JobRequest, output_field: str) -> str:

@@ -59,7 +59,7 @@ def build_context(settings: Settings, *, model: Optional[ModelInfo] = None,
     return ApiContext(
         settings=settings, sync_redis=sync_redis, async_redis=async_redis, store=JobStore(sync_redis, keys),
         records=records, publisher=Publisher(settings.kafka), model=model or load_model_info(settings.model.source),
-        tenancy=tenancy, pressure=pressure, gate=Gate(settings.api, settings.policy, pressure, quotas, records))
+        tenancy=tenancy, pressure=pressure, gate=Gate(settings.api, settings.policy, pressure, quotas))
 
 
 def create_app(settings: Settings, *, limits: Optional[ModelInfo] = None, tenancy: Optional[Tenancy] = None,

@@ -1,13 +1,11 @@
-"""Puts validated jobs onto the priority topics (acks=all), before anything is recorded.
+"""Puts validated jobs onto the priority topics (acks=all).
 
-Kafka is the record of a job; its Redis state follows. The API produces first and
-records `queued` after (`producer/submission.py`), so there is no window in which a
-job sits `queued` that Kafka never received (a crash between the two only leaves the
-job on Kafka, and the scheduler records a job it finds without a state). If the
-produce fails nothing is recorded: the client's `503` means "nothing was queued", and a
-retry with the same `job_id` simply submits it again. A produce whose outcome is
-unknown (a timeout after the broker wrote it) may leave a copy on Kafka too; the retry
-then produces a second one, which the scheduler recognises by its id and skips.
+The API records a job `queued` and charges its quota in one Redis call, then produces
+it (`producer/submission.py`, `producer/records.py`). If the produce fails, the record
+is taken back: the client's `503` means "nothing was queued", and a retry with the same
+`job_id` simply submits it again. A produce whose outcome is unknown (a timeout after
+the broker wrote it) may leave a copy on Kafka too; the retry then produces a second
+one, which the scheduler recognises by its id and skips.
 
 A produce holds no thread while it waits. The producer is librdkafka's
 (`kvfleet.kafka.make_submit_producer`): `produce` only appends the record to its queue
@@ -22,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -78,11 +76,13 @@ class Publisher:
             except Exception:  # noqa: BLE001 - a callback's failure must not end every later report
                 log.exception("a delivery report's callback failed")
 
-    async def publish(self, request: JobRequest, *, timeout_s: float = ACK_TIMEOUT_S) -> bytes:
+    async def publish(self, request: JobRequest, encoded: Optional[bytes] = None, *,
+                      timeout_s: float = ACK_TIMEOUT_S) -> bytes:
         """Produce with acks=all and wait for the broker's acknowledgement; the record's
-        bytes (what the job store records). Raises QueueUnavailable: nothing was queued."""
+        bytes (`encoded`, or the request encoded now). Raises QueueUnavailable: nothing
+        was queued."""
         topic = constants.request_topic(self.kafka.topic_prefix, request.priority)
-        value = encode(request)
+        value = encode(request) if encoded is None else encoded
         acknowledged, on_delivery = _delivery(timeout_s)
         try:
             self.producer.produce(topic, value=value, key=request.tenant.encode(),  # one tenant: one partition

@@ -8,8 +8,8 @@ a quota that never runs out, as bench/fleet.py's front door has) on the local in
 and posts one small job at a time through httpx's ASGI transport (no sockets, no HTTP
 server: only the app's own work and its Redis and Kafka round trips). Prints the
 request's median and the mean of each step of `kvfleet_api_submit_step_seconds`
-(producer/submission.py): parse, admit (the quota's Lua call), produce (until Kafka
-acknowledged), record (the queued state's Lua call).
+(producer/submission.py): parse, admit (one Lua call: the quota and the queued record),
+produce (until Kafka acknowledged).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 API_KEY = "sk-submit-steps"
-STEPS = ("parse", "admit", "produce", "record")
+STEPS = ("parse", "admit", "produce")
 BODY = {"prompt": "Say something short about item 7", "max_new_tokens": 4}
 
 
