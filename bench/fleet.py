@@ -56,8 +56,8 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -366,7 +366,7 @@ def front_door(args: argparse.Namespace, infra: dict[str, str]) -> dict:
         "minimal_submit_p99_ms_at_64": median_of(base, "p99_ms"),
         "minimal_cpu_ms_per_submit_at_64": median_of(base, "server_cpu_ms_per_job"),
         # The cores the scheduler and worker used during each server's rounds: the fleet
-        # runs the API's jobs (a backlog it works through in the minimal rounds too).
+        # runs both servers' jobs, so the two should be alike (docs/benchmarks.md).
         "fleet_cpu_cores_in_api_rounds": median_of(api, "fleet_cpu_cores"),
         "fleet_cpu_cores_in_minimal_rounds": median_of(base, "fleet_cpu_cores"),
         "api_non_2xx": sum(r["non_2xx"] for r in api), "api_socket_errors": sum(r["socket_errors"] for r in api),
