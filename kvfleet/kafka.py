@@ -1,14 +1,16 @@
 """Kafka clients configured the one way kvfleet uses them, and topic creation.
 
-Producers (kafka-python's, and librdkafka's for the API's submissions): `acks=all` with
-retries and idempotence, so a produce that returns has been written by every in-sync
-replica and a retried send does not duplicate. Consumers: manual commits only (offsets
-move after admission is durable, never before).
+Producers (kafka-python's for the workers and tests; librdkafka's for the API's
+submissions and for the scheduler's results and dead letters): `acks=all` with retries
+and idempotence, so a produce that returns has been written by every in-sync replica and
+a retried send does not duplicate. Consumers: manual commits only (offsets move after
+admission is durable, never before).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional, Sequence
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -65,7 +67,7 @@ def make_submit_producer(kafka: KafkaSettings, *, client_id: str, logger: loggin
     guarantees as `make_producer`: acks=all, idempotence, no linger. The partitioner is
     Java's (murmur2 of the key), as kafka-python's is, so a tenant's jobs go to the same
     partition whichever client queued them. `overrides`: librdkafka options, for tests."""
-    import confluent_kafka  # the other services never load it
+    import confluent_kafka  # the workers never load it
 
     return confluent_kafka.Producer({
         **kafka.rdkafka_options,
@@ -82,6 +84,60 @@ def make_submit_producer(kafka: KafkaSettings, *, client_id: str, logger: loggin
         "logger": logger,  # librdkafka's lines go to kvfleet's JSON logs, served by poll()
         **overrides,
     })
+
+
+#: How long the batch producer may try to deliver a record, ms: as long as its callers
+#: wait in `deliver` (the results relay's PRODUCE_TIMEOUT_S).
+BATCH_DELIVERY_TIMEOUT_MS = 30_000
+
+
+def make_batch_producer(kafka: KafkaSettings, *, client_id: str, logger: logging.Logger,
+                        linger_ms: int = 0, **overrides) -> "confluent_kafka.Producer":
+    """A librdkafka producer for a thread that sends records in batches and waits for
+    them all (`deliver`): the scheduler's results relay and dead letters. kafka-python's
+    producer ran a sender thread of its own in the scheduler's process, in Python, beside
+    the scheduling loop; librdkafka's threads are C and never hold the GIL. Reports and
+    log lines are served by the caller's `flush` and `poll`, so no thread of ours serves
+    them. The guarantees of `make_submit_producer`, with the wait of `deliver`."""
+    return make_submit_producer(kafka, client_id=client_id, logger=logger, **{
+        "linger.ms": linger_ms,
+        "message.timeout.ms": BATCH_DELIVERY_TIMEOUT_MS,
+        "request.timeout.ms": min(BATCH_DELIVERY_TIMEOUT_MS, 10_000),
+        **overrides,
+    })
+
+
+#: One record to `deliver`: topic, key, value, headers.
+Record = tuple[str, Optional[bytes], bytes, Sequence[tuple[str, bytes]]]
+
+
+def deliver(producer: "confluent_kafka.Producer", records: Sequence[Record], timeout_s: float) -> list[Optional[str]]:
+    """Produce `records` and wait up to `timeout_s` for Kafka's reports (the batch goes
+    at once, without its linger); per record, None if Kafka acknowledged it, else why
+    not. A record whose report has not come by then counts as not acknowledged: it may
+    still arrive later, a copy the caller's retry makes harmless (at least once)."""
+    outcomes: list[Optional[str]] = [f"not acknowledged within {timeout_s:g} s"] * len(records)
+
+    def report(i: int):
+        def on_delivery(error, _message) -> None:  # in this thread, from flush()
+            outcomes[i] = None if error is None else error.str()
+        return on_delivery
+
+    import confluent_kafka
+
+    for i, (topic, key, value, headers) in enumerate(records):
+        try:
+            producer.produce(topic, key=key, value=value, headers=list(headers), on_delivery=report(i))
+        except BufferError:
+            outcomes[i] = "the producer's queue is full"
+        except confluent_kafka.KafkaException as exc:
+            outcomes[i] = str(exc)
+    producer.flush(timeout_s)
+    return outcomes
+
+
+class DeliveryFailed(Exception):
+    """Kafka did not acknowledge a record `deliver` sent; nothing was taken for done."""
 
 
 def make_consumer(kafka: KafkaSettings, *, client_id: str, max_poll_records: int,

@@ -5,7 +5,8 @@ The job store's `finish` appends each result to a Redis Stream, the outbox
 (`Keys.results_outbox`), in the same Lua call that writes it (kvfleet/jobstore.py): a
 result that exists is queued for Kafka, even if its writer dies the next instant. The
 relay drains the outbox: read entries through a consumer group, produce each one
-(acks=all), wait for the acks, then XACK and XDEL it. Every scheduler replica runs one
+(acks=all, librdkafka: `kvfleet.kafka.make_batch_producer`), wait for the acks, then
+XACK and XDEL it. Every scheduler replica runs one
 (scheduler/service.py), in its own thread, sharing the work through the group.
 
 At least once, never a different result. Each race, and why it is safe:
@@ -29,18 +30,16 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
 import redis
-from kafka import KafkaProducer
-from kafka.errors import KafkaError
 from prometheus_client import Counter, Gauge
 
 from kvfleet import constants
 from kvfleet.constants import Keys
+from kvfleet.kafka import DeliveryFailed, deliver
 
 log = logging.getLogger("kvfleet.results")
 
 #: An entry pending this long belongs to a relay that died: well past the longest a live
-#: relay holds one (a send may block up to the producer's max_block_ms, 10 s, on
-#: metadata, then its ack may take up to PRODUCE_TIMEOUT_S).
+#: relay holds one (its batch's acks may take up to PRODUCE_TIMEOUT_S).
 CLAIM_IDLE_MS = 60_000
 CLAIM_EVERY_S = 5.0
 PRODUCE_TIMEOUT_S = 30.0
@@ -50,7 +49,7 @@ BATCH = 200
 #: job ends, and a stop is noticed within this.
 BLOCK_MS = 500
 OBSERVE_EVERY_S = 1.0
-_FAILURES = (redis.RedisError, KafkaError, OSError)
+_FAILURES = (redis.RedisError, DeliveryFailed, OSError)
 
 PRODUCED = Counter("kvfleet_results_produced", "Terminal results produced to Kafka and acknowledged; "
                    "topic_kind: results (the default topic), reply_to, fallback (a reply_to that "
@@ -100,11 +99,12 @@ class KnownTopics:
 class ResultRelay:
     """Drains the results outbox to Kafka; `run` is a thread's loop, `step` one batch."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, producer: KafkaProducer, topics: KnownTopics, *,
+    def __init__(self, client: redis.Redis, keys: Keys, producer: "confluent_kafka.Producer", topics: KnownTopics, *,
                  results_topic: str, reserved_topics: Iterable[str], consumer: str,
                  claim_idle_ms: int = CLAIM_IDLE_MS, batch: int = BATCH, gather_s: float = 0.0,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        """`reserved_topics`: kvfleet's own request and dead-letter topics, never a reply
+        """`producer`: `kvfleet.kafka.make_batch_producer`'s, used by this relay alone.
+        `reserved_topics`: kvfleet's own request and dead-letter topics, never a reply
         topic (a result there would be dead-lettered as a malformed job). `consumer`:
         this relay's name in the group, unique per process. `gather_s`: the least time
         between two batches while results keep coming (`step`), waited with `sleep`."""
@@ -215,28 +215,23 @@ class ResultRelay:
     def relay(self, entries: list[OutboxEntry]) -> int:
         """Produce every entry, wait for Kafka's acks, acknowledge those it took."""
         try:
-            sent = []
-            for entry in entries:
-                topic, kind, headers = self.route(entry)
-                future = self.producer.send(topic, key=entry.job_id.encode(), value=entry.result, headers=headers)
-                sent.append((entry, kind, future))
-            self.producer.flush(timeout=PRODUCE_TIMEOUT_S)  # the batch goes now, without its linger
-            done, error = [], None
-            for entry, kind, future in sent:
-                try:
-                    future.get(timeout=PRODUCE_TIMEOUT_S)
-                except KafkaError as exc:
-                    error = error or exc
-                    continue
-                done.append(entry.id)
-                PRODUCED.labels(kind).inc()
+            routes = [self.route(entry) for entry in entries]
+            outcomes = deliver(self.producer, [(topic, entry.job_id.encode(), entry.result, headers)
+                                               for entry, (topic, _, headers) in zip(entries, routes)],
+                               PRODUCE_TIMEOUT_S)
+            done = [entry.id for entry, outcome in zip(entries, outcomes) if outcome is None]
+            for (_, kind, _), outcome in zip(routes, outcomes):
+                if outcome is None:
+                    PRODUCED.labels(kind).inc()
             self.ack(done)  # a crash before this line produces them again: the same bytes
         except BaseException:
             self._own_pending = True  # what was not acknowledged is retried first
             raise
-        if error is not None:
+        failed = [(entry.job_id, outcome) for entry, outcome in zip(entries, outcomes) if outcome is not None]
+        if failed:
             self._own_pending = True
-            raise error
+            raise DeliveryFailed(f"Kafka did not acknowledge {len(failed)} of {len(entries)} results "
+                                 f"(job {failed[0][0]}: {failed[0][1]})")
         return len(done)
 
     def route(self, entry: OutboxEntry) -> tuple[str, str, list[tuple[str, bytes]]]:
@@ -273,7 +268,8 @@ class ResultRelay:
             return
         self._next_observe = time.monotonic() + OBSERVE_EVERY_S
         OUTBOX.set(self.client.xlen(self.outbox))  # relayed entries are deleted: the rest waits
+        self.producer.poll(0)  # librdkafka's log lines, between batches too
 
     def close(self, timeout: float = 5.0) -> None:
-        self.producer.close(timeout=timeout)
+        self.producer.flush(timeout)
         self.topics.close()

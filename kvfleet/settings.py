@@ -125,7 +125,7 @@ class KafkaSettings:
     @property
     def client_options(self) -> dict:
         """The connection options every kafka-python client of kvfleet takes (`rdkafka_options`:
-        the API's librdkafka producer)."""
+        the librdkafka producers)."""
         options: dict = {"bootstrap_servers": self.bootstrap, "security_protocol": self.security_protocol}
         if self.security_protocol.startswith("SASL"):
             options.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
@@ -137,8 +137,8 @@ class KafkaSettings:
 
     @property
     def rdkafka_options(self) -> dict:
-        """The same connection options in librdkafka's names, for the API's producer
-        (kvfleet/kafka.py, `make_submit_producer`)."""
+        """The same connection options in librdkafka's names, for the API's producer and
+        the scheduler's (kvfleet/kafka.py, `make_submit_producer`, `make_batch_producer`)."""
         options: dict = {"bootstrap.servers": self.bootstrap, "security.protocol": self.security_protocol}
         if self.security_protocol.startswith("SASL"):
             options.update({"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,

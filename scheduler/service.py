@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Optional
 
 import kombu.exceptions
 import redis
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import CommitFailedError, KafkaError
 
@@ -48,7 +48,8 @@ from kvfleet.capacity import FleetCapacity
 from kvfleet.celery_app import make_celery
 from kvfleet.contracts import JobRequest, JobState, Priority
 from kvfleet.jobstore import JobStore
-from kvfleet.kafka import ensure_topics, make_admin, make_consumer, make_producer, release_parked
+from kvfleet.kafka import (DeliveryFailed, deliver, ensure_topics, make_admin, make_batch_producer, make_consumer,
+                           release_parked)
 from kvfleet.ledger import Ledger, Usage
 from kvfleet.results import KnownTopics, ResultRelay
 from kvfleet.scriptbatch import ScriptBatch
@@ -76,8 +77,11 @@ COMMIT_EVERY_S = 0.1
 #: The results relay sends a batch of results, then flushes: a linger lets the batch go
 #: as one request (and the flush ends it at once), not one request per result.
 RELAY_LINGER_MS = 5
-# kombu's OperationalError: the Celery broker (the state Redis) dropped mid-send.
-_FAILURES = (redis.RedisError, KafkaError, OSError, kombu.exceptions.OperationalError)
+#: The longest a poll's dead letters may take to be acknowledged, s.
+DLQ_TIMEOUT_S = 10.0
+# kombu's OperationalError: the Celery broker (the state Redis) dropped mid-send;
+# DeliveryFailed: Kafka did not take a dead letter.
+_FAILURES = (redis.RedisError, KafkaError, DeliveryFailed, OSError, kombu.exceptions.OperationalError)
 
 
 class MembershipStalled(RuntimeError):
@@ -100,7 +104,7 @@ class Waiting:
 
 
 class SchedulerService:
-    def __init__(self, settings: Settings, consumer: KafkaConsumer, dlq_producer: KafkaProducer,
+    def __init__(self, settings: Settings, consumer: KafkaConsumer, dlq_producer: "confluent_kafka.Producer",
                  dispatcher: Dispatcher, ledger: Ledger, capacity: FleetCapacity, tenancy: Tenancy,
                  tokenize: Callable[[JobRequest], JobRequest], *, relay: Optional[ResultRelay] = None,
                  group_offsets: Callable[[], dict[TopicPartition, int]] = dict,
@@ -372,12 +376,11 @@ class SchedulerService:
             try:
                 jobs.append((tp, record.offset, decode_record(record, priority)))
             except Rejected as rejected:
-                self.dead_letter(record, rejected)
-                dead.append((tp, record.offset))
+                dead.append((record, rejected))
         if dead:
-            self.dlq.flush(timeout=10)
-            for tp, offset in dead:
-                self.offsets.decided(tp, offset)
+            self.dead_letter(dead)
+            for record, _ in dead:
+                self.offsets.decided(TopicPartition(record.topic, record.partition), record.offset)
         return jobs
 
     def triage(self, tp: TopicPartition, offset: int, job: JobRequest, state: JobState) -> None:
@@ -534,6 +537,8 @@ class SchedulerService:
         self._next_observe = time.monotonic() + OBSERVE_EVERY_S
         m.CAPACITY.set(self.capacity.read())
         m.IN_USE.set(self.ledger.in_use())
+        if self.dlq is not None:
+            self.dlq.poll(0)  # librdkafka's log lines; the dead letters' reports come with their flush
         assigned = self.consumer.assignment()
         m.ASSIGNED.set(len(assigned) if not self.revocations.unassigned_for() else 0)
         ends = self.consumer.end_offsets(list(assigned)) if assigned else {}
@@ -548,13 +553,21 @@ class SchedulerService:
         position = self.offsets.position(tp)
         return position if position is not None else self.consumer.position(tp)
 
-    def dead_letter(self, record: ConsumerRecord, rejected: Rejected) -> None:
-        job_id = job_id_hint(record)
-        self.dlq.send(self.settings.kafka.dlq, key=record.key, value=record.value or b"",
-                      headers=dlq_headers(record, rejected, job_id))
-        m.DEAD.labels(rejected.reason).inc()
-        log.warning("dead-lettered", extra={"job_id": job_id, "reason": rejected.reason, "detail": rejected.detail,
-                                            "topic": record.topic, "offset": record.offset})
+    def dead_letter(self, dead: list[tuple[ConsumerRecord, Rejected]]) -> None:
+        """Copy the records to the dead-letter topic and wait for Kafka's acks; raises
+        DeliveryFailed if Kafka did not take them all (their offsets are not decided, so
+        the poll's records are read again: at least once, a copy at worst)."""
+        hints = [job_id_hint(record) for record, _ in dead]
+        outcomes = deliver(self.dlq, [(self.settings.kafka.dlq, record.key, record.value or b"",
+                                       dlq_headers(record, rejected, job_id))
+                                      for (record, rejected), job_id in zip(dead, hints)], DLQ_TIMEOUT_S)
+        failed = [outcome for outcome in outcomes if outcome is not None]
+        if failed:
+            raise DeliveryFailed(f"Kafka did not take {len(failed)} dead letters: {failed[0]}")
+        for (record, rejected), job_id in zip(dead, hints):
+            m.DEAD.labels(rejected.reason).inc()
+            log.warning("dead-lettered", extra={"job_id": job_id, "reason": rejected.reason, "detail": rejected.detail,
+                                                "topic": record.topic, "offset": record.offset})
 
 
 def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: Optional[Tenancy] = None,
@@ -576,13 +589,16 @@ def build(settings: Settings, *, client_id: str = "kvfleet-scheduler", tenancy: 
         offsets = group_admin.list_group_offsets({settings.kafka.group: None}).get(settings.kafka.group, {})
         return {tp: o.offset for tp, o in offsets.items()}
 
-    relay = ResultRelay(client, keys, make_producer(settings.kafka, client_id=f"{client_id}-results",
-                                                    linger_ms=RELAY_LINGER_MS),
+    rdkafka_log = logging.getLogger("kvfleet.rdkafka")
+    relay = ResultRelay(client, keys, make_batch_producer(settings.kafka, client_id=f"{client_id}-results",
+                                                          logger=rdkafka_log, linger_ms=RELAY_LINGER_MS),
                         KnownTopics(admin.list_topics, close=admin.close), results_topic=settings.kafka.results,
                         reserved_topics=[*settings.kafka.topics, settings.kafka.dlq], consumer=replica,
                         gather_s=s.results_gather_ms / 1000)
-    return SchedulerService(settings, consumer, make_producer(settings.kafka, client_id=f"{client_id}-dlq"),
-                            dispatcher, Ledger(client, keys), capacity,
+    # Tries no longer than a poll waits for it: a dead letter given up on is read again.
+    dlq = make_batch_producer(settings.kafka, client_id=f"{client_id}-dlq", logger=rdkafka_log,
+                              **{"message.timeout.ms": int(DLQ_TIMEOUT_S * 1000)})
+    return SchedulerService(settings, consumer, dlq, dispatcher, Ledger(client, keys), capacity,
                             tenancy or Tenancy.from_settings(settings), Tokenize(settings.model.source), relay=relay,
                             group_offsets=group_offsets, wake=BudgetWake(client, keys.ledger_freed))
 
@@ -604,7 +620,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     finally:
         service.stopping.set()  # also on an error: the relay thread ends with the loop
         service.consumer.close()  # leaves the group at once so partitions move without waiting
-        service.dlq.close(timeout=5)
+        service.dlq.flush(5)
         service.stop_relay()
         if service.wake is not None:
             service.wake.close()

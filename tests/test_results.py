@@ -5,7 +5,9 @@ different, through the job store's outbox, on the real Redis and Kafka.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections import defaultdict
@@ -22,7 +24,7 @@ from kvfleet import constants
 from kvfleet.constants import Keys
 from kvfleet.contracts import JobRequest, JobResult, JobState, Priority, Timings, Usage, decode_request, decode_result
 from kvfleet.jobstore import JobStore
-from kvfleet.kafka import ensure_topics, make_producer
+from kvfleet.kafka import DeliveryFailed, ensure_topics, make_batch_producer
 from kvfleet.results import KnownTopics, ResultRelay
 from kvfleet.settings import KafkaSettings
 from tests.fleet import Fleet
@@ -164,7 +166,7 @@ def test_a_relay_killed_between_produce_and_ack_produces_the_same_results_again(
         store.create(job)
         assert store.start(job.job_id, now=time.time(), worker="w").ok
         assert store.finish(_done(job)).ok
-    producer = make_producer(kafka, client_id="results-test")
+    producer = make_batch_producer(kafka, client_id="results-test", logger=logging.getLogger("rdkafka"))
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     try:
         doomed = _relay(CrashBeforeAck, redis_client, kafka, prefix, producer, admin, consumer="doomed",
@@ -181,7 +183,7 @@ def test_a_relay_killed_between_produce_and_ack_produces_the_same_results_again(
         assert heir.step() == 0 and redis_client.xlen(keys.results_outbox) == 0
         assert redis_client.xpending(keys.results_outbox, constants.RESULTS_RELAY_GROUP)["pending"] == 0
     finally:
-        producer.close(timeout=5)
+        producer.flush(5)
         admin.close()
 
     copies = by_job(read_topic(kafka_bootstrap, kafka.results, lambda ms: len(ms) >= 6))
@@ -216,7 +218,7 @@ def test_results_that_arrive_while_the_relay_gathers_share_its_next_batch(redis_
                 finish(job_id)
 
     finish("a")
-    producer = make_producer(kafka, client_id="results-test")
+    producer = make_batch_producer(kafka, client_id="results-test", logger=logging.getLogger("rdkafka"))
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     try:
         relay = _relay(ResultRelay, redis_client, kafka, prefix, producer, admin, consumer="gatherer",
@@ -226,9 +228,42 @@ def test_results_that_arrive_while_the_relay_gathers_share_its_next_batch(redis_
         assert relay.step() == 3  # behind a batch: it waited, and the three went as one
         assert len(waits) == 1 and 59.0 < waits[0] <= 60.0
     finally:
-        producer.close(timeout=5)
+        producer.flush(5)
         admin.close()
     assert sorted(by_job(read_topic(kafka_bootstrap, kafka.results, lambda ms: len(ms) >= 4))) == ["a", "b", "c", "d"]
+
+
+def test_results_kafka_did_not_take_stay_pending_and_go_with_the_next_step(redis_client, kafka_bootstrap, prefix):
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap, topic_prefix=f"{prefix}.requests", partitions=2)
+    ensure_topics(kafka)
+    keys = Keys(prefix)
+    store = JobStore(redis_client, keys)
+    for job_id in ("a", "b"):
+        job = _job(job_id)
+        store.create(job)
+        assert store.start(job_id, now=time.time(), worker="w").ok
+        assert store.finish(_done(job)).ok
+    log = logging.getLogger("rdkafka")
+    # A broker nobody listens on: librdkafka gives up on each record after half a second.
+    nowhere = make_batch_producer(dataclasses.replace(kafka, bootstrap="127.0.0.1:1"), client_id="results-test",
+                                  logger=log, **{"message.timeout.ms": 500, "request.timeout.ms": 500})
+    working = make_batch_producer(kafka, client_id="results-test", logger=log)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        relay = _relay(ResultRelay, redis_client, kafka, prefix, nowhere, admin, consumer="relay")
+        relay.ensure_group()
+        with pytest.raises(DeliveryFailed, match="2 of 2 results"):
+            relay.step()
+        # Nothing acknowledged that Kafka did not take: both still pending, under this relay.
+        assert redis_client.xlen(keys.results_outbox) == 2
+        assert redis_client.xpending(keys.results_outbox, constants.RESULTS_RELAY_GROUP)["pending"] == 2
+        relay.producer = working  # Kafka is back
+        assert relay.step() == 2  # its own pending entries first
+        assert redis_client.xlen(keys.results_outbox) == 0
+    finally:
+        working.flush(5)
+        admin.close()
+    assert sorted(by_job(read_topic(kafka_bootstrap, kafka.results, lambda ms: len(ms) >= 2))) == ["a", "b"]
 
 
 # --- through a real fleet --------------------------------------------------------------

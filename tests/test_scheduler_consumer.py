@@ -52,7 +52,7 @@ def scheduler(kafka_bootstrap, redis_url, prefix) -> Iterator[Callable[..., Sche
     yield make
     for service in services:
         service.consumer.close()
-        service.dlq.close(timeout=5)
+        service.dlq.flush(5)
         service.relay.close()
         service.wake.close()
 
@@ -191,3 +191,43 @@ def test_the_consumer_fetches_with_the_scheduler_s_wait_not_kafka_python_s(sched
     assert service.settings.scheduler.fetch_max_wait_ms == 100
     assert service.consumer.config["fetch_max_wait_ms"] == 100
     assert service.consumer._fetcher.config["fetch_max_wait_ms"] == 100  # what each fetch request carries
+
+
+def test_a_dead_letter_kafka_did_not_take_is_read_again_and_dead_lettered_later(scheduler):
+    import dataclasses
+    import logging
+
+    from kvfleet.kafka import DeliveryFailed, make_batch_producer
+
+    service = scheduler()
+    topic, tp = service.settings.kafka.topics[1], TopicPartition(service.settings.kafka.topics[1], 0)
+    producer = make_producer(service.settings.kafka, client_id="test-producer")
+    try:
+        producer.send(topic, key=b"acme", value=b"not json", headers=[("job_id", b"broken")])
+        producer.flush(timeout=10)
+    finally:
+        producer.close()
+    working = service.dlq
+    # A dead-letter producer whose broker is nowhere: librdkafka gives up after half a second.
+    service.dlq = make_batch_producer(dataclasses.replace(service.settings.kafka, bootstrap="127.0.0.1:1"),
+                                      client_id="test-dlq", logger=logging.getLogger("rdkafka"),
+                                      **{"message.timeout.ms": 500, "request.timeout.ms": 500})
+    deadline = time.monotonic() + 30
+    with pytest.raises(DeliveryFailed, match="dead letters"):
+        while time.monotonic() < deadline:  # until the poll returns the record
+            service.step()
+    assert service.consumer.position(tp) == 0 and committed(service, tp) == -1  # rewound, nothing decided
+    service.dlq = working  # Kafka takes dead letters again: the record is read again and goes
+    step_until(service, lambda: committed(service, tp) == 1, "the record dead-lettered and committed")
+    consumer = make_consumer(dataclasses.replace(service.settings.kafka, group=f"{service.settings.kafka.group}-dlq"),
+                             client_id="test-dlq-reader", max_poll_records=10, fetch_max_wait_ms=100)
+    try:
+        consumer.subscribe([service.settings.kafka.dlq])
+        letters: list = []
+        deadline = time.monotonic() + 30
+        while not letters:
+            assert time.monotonic() < deadline, "no dead letter"
+            letters += [r for rs in consumer.poll(timeout_ms=200).values() for r in rs]
+    finally:
+        consumer.close()
+    assert [(r.value, dict(r.headers)["reason"]) for r in letters] == [(b"not json", b"undecodable")]
