@@ -86,8 +86,8 @@ def make_submit_producer(kafka: KafkaSettings, *, client_id: str, logger: loggin
     })
 
 
-#: How long the batch producer may try to deliver a record, ms: as long as its callers
-#: wait in `deliver` (the results relay's PRODUCE_TIMEOUT_S).
+#: How long the batch producer may try to deliver a record, ms: as long as the results
+#: relay waits in `deliver` (its PRODUCE_TIMEOUT_S is this).
 BATCH_DELIVERY_TIMEOUT_MS = 30_000
 
 
@@ -102,7 +102,6 @@ def make_batch_producer(kafka: KafkaSettings, *, client_id: str, logger: logging
     return make_submit_producer(kafka, client_id=client_id, logger=logger, **{
         "linger.ms": linger_ms,
         "message.timeout.ms": BATCH_DELIVERY_TIMEOUT_MS,
-        "request.timeout.ms": min(BATCH_DELIVERY_TIMEOUT_MS, 10_000),
         **overrides,
     })
 

@@ -34,7 +34,7 @@ from prometheus_client import Counter, Gauge
 
 from kvfleet import constants
 from kvfleet.constants import Keys
-from kvfleet.kafka import DeliveryFailed, deliver
+from kvfleet.kafka import BATCH_DELIVERY_TIMEOUT_MS, DeliveryFailed, deliver
 
 log = logging.getLogger("kvfleet.results")
 
@@ -42,7 +42,8 @@ log = logging.getLogger("kvfleet.results")
 #: relay holds one (its batch's acks may take up to PRODUCE_TIMEOUT_S).
 CLAIM_IDLE_MS = 60_000
 CLAIM_EVERY_S = 5.0
-PRODUCE_TIMEOUT_S = 30.0
+#: As long as the producer tries a record (`make_batch_producer`).
+PRODUCE_TIMEOUT_S = BATCH_DELIVERY_TIMEOUT_MS / 1000
 #: Entries per read: one produce round for a burst of finishing jobs.
 BATCH = 200
 #: How long a read waits for new results: a result reaches Kafka milliseconds after its
@@ -219,15 +220,17 @@ class ResultRelay:
             outcomes = deliver(self.producer, [(topic, entry.job_id.encode(), entry.result, headers)
                                                for entry, (topic, _, headers) in zip(entries, routes)],
                                PRODUCE_TIMEOUT_S)
-            done = [entry.id for entry, outcome in zip(entries, outcomes) if outcome is None]
-            for (_, kind, _), outcome in zip(routes, outcomes):
+            done, failed = [], []
+            for entry, (_, kind, _), outcome in zip(entries, routes, outcomes):
                 if outcome is None:
+                    done.append(entry.id)
                     PRODUCED.labels(kind).inc()
+                else:
+                    failed.append((entry.job_id, outcome))
             self.ack(done)  # a crash before this line produces them again: the same bytes
         except BaseException:
             self._own_pending = True  # what was not acknowledged is retried first
             raise
-        failed = [(entry.job_id, outcome) for entry, outcome in zip(entries, outcomes) if outcome is not None]
         if failed:
             self._own_pending = True
             raise DeliveryFailed(f"Kafka did not acknowledge {len(failed)} of {len(entries)} results "
