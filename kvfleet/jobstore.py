@@ -12,6 +12,8 @@ the job already moved and changes nothing. Two of them also move the job's token
 reservation with the state, with the ledger's own Lua (kvfleet/ledger.py): `admit_many`
 (the scheduler) reserves, `finish` (the worker, or a cancel) releases. Every state change is also PUBLISHed on the
 job's events channel, which is what wakes a long-polling `GET /v1/jobs/{id}?wait=`.
+The message is the new state's name, except from `finish`: there it is the result's
+JSON, the same bytes the hash keeps, so a long poll answers without reading the job.
 
 `finish` (and `fail`, through it) is the one place a terminal state is written, by the
 API, the scheduler and the workers alike, and the same Lua call appends the result to
@@ -130,7 +132,8 @@ redis.call('XADD', KEYS[7], '*', 'job_id', ARGV[6], 'status', ARGV[1],
 -- Only so that the outbox of a fleet that is gone (a test's prefix) does not stay
 -- forever: every finish pushes the TTL back, and a running relay drains it long before.
 redis.call('EXPIRE', KEYS[7], ARGV[8])
-redis.call('PUBLISH', KEYS[5], ARGV[1])
+-- The result itself, not the state's name: a long poll woken by it needs no read.
+redis.call('PUBLISH', KEYS[5], ARGV[2])
 return {1, cur}
 """
 

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 import anyio
+import msgspec
 import redis
 import redis.asyncio as aredis
 from fastapi import Request
 
 from kvfleet import registry
-from kvfleet.contracts import JobResult, JobState, WorkerHeartbeat
+from kvfleet.contracts import JobResult, JobState, WorkerHeartbeat, decode_result
 from kvfleet.jobstore import JobStore, result_from_hash
 from kvfleet.modelinfo import ModelInfo
 from kvfleet.settings import Settings
@@ -87,14 +88,19 @@ class ApiContext:
                     return result
                 # A message names the job's new state (kvfleet/jobstore.py), so one that
                 # does not end it (admitted, running) needs no read, nor does the
-                # subscription's confirmation. Each wait is capped at 1 s, so a lost
+                # subscription's confirmation; the one that ends it carries the result
+                # itself, so it needs none either. Each wait is capped at 1 s, so a lost
                 # notification costs at most a second.
                 while remaining > 0:
                     message = await pubsub.get_message(timeout=min(remaining, 1.0))
                     if message is None:
                         break
-                    if message["type"] == "message" and _may_end_the_job(message["data"]):
-                        break
+                    if message["type"] == "message":
+                        ended = _result_in(message["data"], job_id)
+                        if ended is not None:
+                            return ended
+                        if _may_end_the_job(message["data"]):
+                            break
                     remaining = deadline - time.monotonic()
         finally:
             # After the answer, not before it: letting the connection go is nothing the
@@ -114,6 +120,19 @@ async def _close(pubsub: aredis.client.PubSub) -> None:
         await pubsub.aclose()
     except (redis.RedisError, OSError) as exc:  # a connection already broken: nothing to let go
         log.debug("closing a long poll's pub/sub failed", extra={"error": str(exc)})
+
+
+def _result_in(data: object, job_id: str) -> Optional[JobResult]:
+    """The terminal result a job channel's message carries (what `finish` publishes),
+    or None for anything else: a state's name, or bytes that do not decode and validate
+    as this job's terminal result (then the caller reads the job, to be safe)."""
+    if not isinstance(data, bytes) or not data.startswith(b"{"):
+        return None
+    try:
+        result = decode_result(data)
+    except msgspec.MsgspecError:
+        return None
+    return result if result.job_id == job_id and result.status.terminal else None
 
 
 def _may_end_the_job(data: object) -> bool:

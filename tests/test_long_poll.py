@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import redis.asyncio as aredis
 
 from kvfleet.constants import Keys
-from kvfleet.contracts import JobRequest, JobState, Priority
+from kvfleet.contracts import JobRequest, JobResult, JobState, Priority, encode
 from kvfleet.jobstore import JobStore
 from kvfleet.settings import Settings
 from producer.context import ApiContext
@@ -78,10 +78,20 @@ def test_a_long_poll_reads_the_job_only_for_changes_that_may_end_it(redis_url, r
                 await client.publish(channel, state)
             await client.publish(channel, b"not-a-state")  # not a state name: read, to be safe
 
-            async def read_twice():
-                return len(read_after) == 2
+            async def reads(n):
+                async def done():
+                    return len(read_after) == n
+                return done
 
-            await until(read_twice)
+            await until(await reads(2))
+            # Another job's terminal result, and bytes that look like JSON but are not a
+            # result: neither is this job's answer, so each costs a read, to be safe.
+            other = JobResult(job_id=f"{prefix}-other", status=JobState.DONE, tenant="acme", priority=Priority.NORMAL)
+            await client.publish(channel, encode(other))
+            await until(await reads(3))
+            await client.publish(channel, b'{"job_id": 7}')
+            await until(await reads(4))
+            # The finish publishes the result itself: the poll answers with it, unread.
             store.fail(job.job_id, JobState.CANCELLED, "cancelled", "cancelled by the test", now=time.time())
             result = await asyncio.wait_for(waiting, 10)
 
@@ -94,7 +104,9 @@ def test_a_long_poll_reads_the_job_only_for_changes_that_may_end_it(redis_url, r
             await client.aclose()
 
     result, read_after = asyncio.run(scenario())
-    assert result.status is JobState.CANCELLED
+    assert result.status is JobState.CANCELLED and result.error.code == "cancelled"
+    assert result == store.get(job.job_id)  # the very result the job keeps
     # Read once on subscribing, then only after the fifth message (the four states that
-    # do not end a job cost no read) and after the sixth, the cancellation.
-    assert read_after == [0, 5, 6], read_after
+    # do not end a job cost no read), the sixth and the seventh; not after the eighth,
+    # the cancellation, which carried its result.
+    assert read_after == [0, 5, 6, 7], read_after

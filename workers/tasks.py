@@ -108,6 +108,9 @@ def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[Job
         delivered_at = time.time()
 
         claims = runner.begin_all(raws)  # one round trip for every job's `begin`
+        # A job begun here is picked by this thread on delivery (no hand-off): its
+        # moments say so, and put the `begin` round trip between picked and begun.
+        begun_at = time.time()
         outcomes: list[str | BaseException | None] = [None] * len(raws)
         threads: list[tuple[int, Future[str]]] = []
 
@@ -140,7 +143,7 @@ def register(app: Celery, runner: JobRunner, *, threads: int, gate: Optional[Job
                 continue
             try:
                 started = runner.start(request_from_builtins(raws[i]), claim.lease, claim.begun,
-                                       {"delivered": delivered_at, "picked": time.time(), "begun": time.time()})
+                                       {"delivered": delivered_at, "picked": delivered_at, "begun": begun_at})
             except Exception as exc:  # noqa: BLE001 - decided below, once every job has ended
                 claim.lease.release()
                 runner.watch.discard(claim.job_id)
