@@ -612,6 +612,10 @@ class Settings:
     #: second clone (CI's) reuses what the first downloaded.
     home: str = knob(str(Path.home() / ".cache" / "kvfleet"), "HOME")
     log_level: str = knob("INFO", "LOG_LEVEL", str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    #: Once a service is up, move the objects it built at startup out of the cyclic
+    #: garbage collector's reach (kvfleet/heap.py): its full collections then walk
+    #: only what was made since.
+    gc_freeze: bool = knob(True, "GC_FREEZE", _bool)
 
     @property
     def worker_concurrency(self) -> int:

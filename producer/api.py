@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kvfleet import logs
+from kvfleet import heap, logs
 from kvfleet.capacity import FleetCapacity
 from kvfleet.jobstore import JobStore
 from kvfleet.kafka import ensure_topics
@@ -130,8 +130,8 @@ def app_from_env() -> FastAPI:
     app = create_app(settings)
     # What startup built lives as long as the process: out of the collector's way, so
     # that a collection scans only the requests' objects, not the app's ~90,000.
-    gc.collect()
-    gc.freeze()
+    if settings.gc_freeze:
+        heap.freeze_startup_heap("api")
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return app
 

@@ -43,7 +43,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import CommitFailedError, KafkaError
 
-from kvfleet import logs
+from kvfleet import heap, logs
 from kvfleet.capacity import FleetCapacity
 from kvfleet.celery_app import make_celery
 from kvfleet.contracts import JobRequest, JobState, Priority
@@ -611,6 +611,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         serve(settings.scheduler.metrics_port, lambda: service.problem)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.stopping.set())
+    if settings.gc_freeze:
+        heap.freeze_startup_heap("scheduler")  # what `build` made lives as long as the process
     try:
         service.run()
         service.commit(force=True)  # what was decided, so the next owner does not re-read it

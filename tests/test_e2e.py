@@ -36,6 +36,13 @@ def torch_threads_of_the_model(fleet) -> list[int]:
             for line in path.read_bytes().splitlines() if b'"model loaded"' in line]
 
 
+def frozen_heaps(fleet) -> dict[str, list[int]]:
+    """Each service's "startup heap frozen" lines (kvfleet/heap.py): objects frozen, by log file."""
+    return {path.stem: [msgspec.json.decode(line)["objects"] for line in path.read_bytes().splitlines()
+                        if b'"startup heap frozen"' in line]
+            for path in sorted(fleet.log_dir.glob("*.log"))}
+
+
 def test_sixty_jobs_three_priorities_two_tenants(make_fleet, local_engine):
     fleet = make_fleet(workers=1)
     # One intra-op thread by default (KVFLEET_WORKER_TORCH_THREADS), on the thread the model runs on.
@@ -61,6 +68,12 @@ def test_sixty_jobs_three_priorities_two_tenants(make_fleet, local_engine):
         assert t.queued_at <= t.admitted_at <= t.started_at <= t.first_token_at <= t.finished_at
     for client in clients.values():
         client.close()
+    # Every service ran these jobs with its startup heap out of the collector (the
+    # default): the worker's holds the model, torch and Celery, far more than the others'.
+    frozen = frozen_heaps(fleet)
+    assert sorted(frozen) == [f"{role}-{i}" for i, role in enumerate(("api", "scheduler", "worker"), 1)], frozen
+    assert all(len(counts) == 1 and counts[0] > 10_000 for counts in frozen.values()), frozen
+    assert frozen["worker-3"][0] > frozen["scheduler-2"][0], frozen
 
 
 def test_tenants_cannot_read_each_others_results(make_fleet):
@@ -88,12 +101,15 @@ def test_resubmitting_the_same_job_id_runs_once(make_fleet):
 def test_long_poll_returns_when_the_job_finishes(make_fleet):
     # The server may hold a poll for an hour; our read gives up after two minutes. A
     # terminal answer within them can only come from the finish, not from the poll's timeout.
-    fleet = make_fleet(workers=1, extra_env={"KVFLEET_MAX_WAIT_S": "3600"})
+    # Also a fleet with Python's collector left as it is (KVFLEET_GC_FREEZE=0): it runs the
+    # same, and no service freezes anything.
+    fleet = make_fleet(workers=1, extra_env={"KVFLEET_MAX_WAIT_S": "3600", "KVFLEET_GC_FREEZE": "0"})
     with Client(fleet.url, tenant="acme") as client:
         job_id = client.submit("wait for me", max_new_tokens=8)
     response = httpx.get(f"{fleet.url}/v1/jobs/{job_id}", params={"wait": 3600}, headers={"X-Tenant-ID": "acme"},
                          timeout=120)
     assert response.status_code == 200 and response.json()["status"] == JobState.DONE.value, response.text
+    assert frozen_heaps(fleet) == {"api-1": [], "scheduler-2": [], "worker-3": []}
 
 
 def test_cli_submit_waits_and_prints_the_result(make_fleet):

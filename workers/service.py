@@ -24,10 +24,10 @@ from typing import Mapping
 
 import redis
 import torch
-from celery.signals import worker_shutting_down
+from celery.signals import worker_ready, worker_shutting_down
 from prometheus_client import start_http_server
 
-from kvfleet import constants, logs
+from kvfleet import constants, heap, logs
 from kvfleet.celery_app import make_celery
 from kvfleet.contracts import WorkerHeartbeat
 from kvfleet.jobstore import JobStore
@@ -150,6 +150,9 @@ def main() -> None:
         drain.begin()
 
     worker_shutting_down.connect(shutting_down, weak=False)
+    if settings.gc_freeze:
+        # Once Celery's consumer and pool exist too: they are startup objects as well.
+        worker_ready.connect(lambda **_: heap.freeze_startup_heap("worker"), weak=False)
     if settings.worker.metrics_port:
         start_http_server(settings.worker.metrics_port)
 
