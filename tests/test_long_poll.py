@@ -78,19 +78,19 @@ def test_a_long_poll_reads_the_job_only_for_changes_that_may_end_it(redis_url, r
                 await client.publish(channel, state)
             await client.publish(channel, b"not-a-state")  # not a state name: read, to be safe
 
-            async def reads(n):
+            def reads(n):
                 async def done():
                     return len(read_after) == n
                 return done
 
-            await until(await reads(2))
+            await until(reads(2))
             # Another job's terminal result, and bytes that look like JSON but are not a
             # result: neither is this job's answer, so each costs a read, to be safe.
             other = JobResult(job_id=f"{prefix}-other", status=JobState.DONE, tenant="acme", priority=Priority.NORMAL)
             await client.publish(channel, encode(other))
-            await until(await reads(3))
+            await until(reads(3))
             await client.publish(channel, b'{"job_id": 7}')
-            await until(await reads(4))
+            await until(reads(4))
             # The finish publishes the result itself: the poll answers with it, unread.
             store.fail(job.job_id, JobState.CANCELLED, "cancelled", "cancelled by the test", now=time.time())
             result = await asyncio.wait_for(waiting, 10)
